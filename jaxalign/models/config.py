@@ -1,0 +1,127 @@
+"""Configuration of the Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM2).
+
+The config is a frozen, hashable dataclass: it lives in the model's static graph definition, so
+``jax.jit`` can cache on it. Dtypes are stored as strings for the same reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. ``rope_type``: ``default`` | ``linear`` | ``llama3``."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_type {self.rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Hyper-parameters of one decoder. Defaults describe the tiny test model (0.14M parameters).
+
+    ``qkv_bias``/``o_bias``: Qwen2 has biases on q, k, v only; Llama's ``attention_bias`` puts them on all four.
+    ``sliding_window_layers``: per layer, whether the sliding window applies (Mistral: all; Qwen2: per
+    ``layer_types``). ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype.
+    """
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int = 0  # 0: none
+    sliding_window_layers: tuple[bool, ...] = ()
+    architecture: str = "llama"
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if self.sliding_window and not self.sliding_window_layers:
+            object.__setattr__(self, "sliding_window_layers", (True,) * self.num_layers)
+        problems = []
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            problems.append(f"architecture {self.architecture!r} (supported: {SUPPORTED_ARCHITECTURES})")
+        if self.num_heads % self.num_kv_heads:
+            problems.append(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.sliding_window_layers and len(self.sliding_window_layers) != self.num_layers:
+            problems.append(f"sliding_window_layers has {len(self.sliding_window_layers)} entries for "
+                            f"{self.num_layers} layers")
+        for name in ("dtype", "param_dtype"):
+            try:
+                jnp.dtype(getattr(self, name))
+            except TypeError:
+                problems.append(f"{name}={getattr(self, name)!r} is not a dtype name")
+        if problems:
+            raise ValueError("invalid LlamaConfig: " + "; ".join(problems))
+
+    def replace(self, **changes) -> LlamaConfig:
+        return dataclasses.replace(self, **changes)
+
+    def layer_window(self, layer: int) -> int:
+        """Sliding-window size of ``layer`` (0 = full attention)."""
+        if self.sliding_window and self.sliding_window_layers and self.sliding_window_layers[layer]:
+            return self.sliding_window
+        return 0
+
+    def num_params(self) -> int:
+        d, hd = self.hidden_size, self.head_dim
+        attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attn += self.qkv_bias * hd * (self.num_heads + 2 * self.num_kv_heads) + self.o_bias * d
+        mlp = 3 * d * self.intermediate_size + self.mlp_bias * (2 * self.intermediate_size + d)
+        per_layer = attn + mlp + 2 * d
+        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        return self.num_layers * per_layer + self.vocab_size * d + d + head
+
+    def inv_freq(self) -> np.ndarray:
+        """Rotary inverse frequencies ``[head_dim // 2]`` (float64), after ``rope_scaling``."""
+        inv = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
+        scaling = self.rope_scaling
+        if scaling.rope_type == "linear":
+            return inv / scaling.factor
+        if scaling.rope_type == "llama3":
+            # Llama 3.1: leave high frequencies, divide low ones by `factor`, interpolate in between.
+            low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+            high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+            smooth = ((scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor)
+                      / (scaling.high_freq_factor - scaling.low_freq_factor))
+            smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            return np.where(medium, smoothed, scaled)
+        return inv

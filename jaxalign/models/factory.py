@@ -1,0 +1,71 @@
+"""Building models: random initialisation straight into a sharding, and parameter shardings.
+
+Shardings come from an abstract model (``nnx.eval_shape``): each parameter's ``logical_axes`` metadata
+goes through the rules table. Nothing is allocated twice and no full copy lives on one device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jaxalign.models.config import LlamaConfig
+from jaxalign.models.llama import LlamaForCausalLM
+from jaxalign.parallel.mesh import Rules, logical_sharding
+
+
+def abstract_model(config: LlamaConfig) -> LlamaForCausalLM:
+    """The model with ``ShapeDtypeStruct`` leaves (no memory)."""
+    return nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+
+
+def param_shardings(model: nnx.Module, mesh: Mesh, rules: Rules | None = None) -> nnx.State:
+    """A state tree of ``NamedSharding`` matching ``nnx.state(model)`` (works on abstract models too)."""
+    def sharding_of(variable: nnx.Variable) -> NamedSharding:
+        axes = getattr(variable, "logical_axes", None) or (None,) * len(variable.get_value().shape)
+        return logical_sharding(axes, variable.get_value().shape, mesh, rules)
+
+    return jax.tree.map(sharding_of, nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def create_model(config: LlamaConfig, *, seed: int = 0, mesh: Mesh | None = None,
+                 rules: Rules | None = None) -> LlamaForCausalLM:
+    """Randomly initialised model; with ``mesh``, every parameter is created already sharded."""
+    if mesh is None:
+        return LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
+    graphdef, abstract_state = nnx.split(abstract_model(config))
+    shardings = param_shardings(nnx.merge(graphdef, abstract_state), mesh, rules)
+
+    def init():
+        return nnx.state(LlamaForCausalLM(config, rngs=nnx.Rngs(seed)))
+
+    state = jax.jit(init, out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def build_model(config: LlamaConfig, load_tensor: Callable[[tuple, tuple[int, ...]], np.ndarray], *,
+                mesh: Mesh | None = None, rules: Rules | None = None) -> LlamaForCausalLM:
+    """Model whose parameters come from ``load_tensor(path, shape) -> np.ndarray``, one tensor at a time.
+
+    With ``mesh`` each tensor goes straight to its sharding (every device takes only its slice of the
+    host array), so at most one full tensor is in host memory at once.
+    """
+    graphdef, state = nnx.split(abstract_model(config))
+    for path, variable in nnx.to_flat_state(state):
+        shape = tuple(variable.get_value().shape)
+        dtype = variable.get_value().dtype
+        array = np.asarray(load_tensor(path, shape))
+        if array.shape != shape:
+            raise ValueError(f"parameter {'.'.join(map(str, path))}: loaded shape {array.shape}, expected {shape}")
+        array = array.astype(dtype)
+        if mesh is None:
+            variable.set_value(jax.device_put(array))
+        else:
+            axes = getattr(variable, "logical_axes", None) or (None,) * len(shape)
+            sharding = logical_sharding(axes, shape, mesh, rules)
+            variable.set_value(jax.make_array_from_callback(shape, sharding, lambda index, a=array: a[index]))
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,220 @@
+"""llama.cpp GGUF files in: dequantised weights, the model config and the tokenizer with its chat template.
+
+Weights are dequantised with the ``gguf`` package (any quantisation it knows) and renamed to Hugging Face
+names, so the HF layout rules of ``hf.py`` place them. llama.cpp permutes the Q and K projections of
+``llama``-architecture models for its interleaved RoPE; ``unpermute_qk`` undoes that so the standard
+rotate-half RoPE applies. ``qwen2`` GGUFs are stored unpermuted (NEOX RoPE).
+
+Tokenizers: byte-level BPE (``tokenizer.ggml.model == "gpt2"``) with the ``gpt2`` and ``smollm``
+pre-tokenizers; other tokenizer kinds raise an error that names them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxalign.models.config import LlamaConfig, RopeScaling
+from jaxalign.models.factory import build_model
+from jaxalign.models.hf import CheckpointError, hf_layout, from_hf, hf_shape, save_hf
+from jaxalign.models.llama import LlamaForCausalLM
+from jaxalign.parallel.mesh import Rules
+
+_GGUF_TO_HF = (
+    (r"token_embd\.weight", "model.embed_tokens.weight"),
+    (r"output_norm\.weight", "model.norm.weight"),
+    (r"output\.weight", "lm_head.weight"),
+    (r"blk\.(\d+)\.attn_norm\.weight", "model.layers.{0}.input_layernorm.weight"),
+    (r"blk\.(\d+)\.ffn_norm\.weight", "model.layers.{0}.post_attention_layernorm.weight"),
+    (r"blk\.(\d+)\.attn_([qkv])\.(weight|bias)", "model.layers.{0}.self_attn.{1}_proj.{2}"),
+    (r"blk\.(\d+)\.attn_output\.(weight|bias)", "model.layers.{0}.self_attn.o_proj.{1}"),
+    (r"blk\.(\d+)\.ffn_(gate|up|down)\.(weight|bias)", "model.layers.{0}.mlp.{1}_proj.{2}"),
+)
+_SUPPORTED_ARCHS = ("llama", "qwen2")
+_SUPPORTED_PRE = ("gpt2", "default", "smollm")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    for pattern, template in _GGUF_TO_HF:
+        match = re.fullmatch(pattern, name)
+        if match:
+            return template.format(*match.groups())
+    return None
+
+
+def unpermute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's Q/K row permutation (interleaved -> rotate-half RoPE); works for biases too."""
+    rows = weight.shape[0]
+    rest = weight.shape[1:]
+    head_dim = rows // n_heads
+    return weight.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+def _fields(reader) -> dict[str, Any]:
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def _open(path: str | os.PathLike):
+    try:
+        from gguf import GGUFReader
+    except ImportError as err:  # pragma: no cover - gguf is a declared dependency
+        raise ImportError("reading GGUF files needs the `gguf` package: pip install gguf") from err
+    file = Path(path)
+    if not file.is_file():
+        raise CheckpointError(f"{path}: GGUF file not found")
+    try:
+        return GGUFReader(str(file))
+    except (ValueError, OSError) as err:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({err})") from None
+
+
+def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], *, dtype: str = "float32",
+                     source: str = "GGUF") -> LlamaConfig:
+    arch = meta.get("general.architecture")
+    if arch not in _SUPPORTED_ARCHS:
+        raise CheckpointError(f"{source}: general.architecture={arch!r} is not supported; "
+                              f"supported: {', '.join(_SUPPORTED_ARCHS)}")
+    if "rope_freqs.weight" in tensor_names:
+        raise CheckpointError(f"{source}: rope_freqs (Llama-3.1 frequency scaling stored as a tensor) is not "
+                              "supported from GGUF; load the Hugging Face folder instead")
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type not in ("none", "linear"):
+        raise CheckpointError(f"{source}: rope scaling {scaling_type!r} is not supported from GGUF")
+
+    def get(key: str, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise CheckpointError(f"{source}: metadata field {arch}.{key} is missing")
+        return value
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    rope = (RopeScaling("linear", factor=float(get("rope.scaling.factor")))
+            if scaling_type == "linear" else RopeScaling())
+    return LlamaConfig(
+        vocab_size=int(meta.get(f"{arch}.vocab_size", len(tokens))),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope,
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        o_bias="blk.0.attn_output.bias" in tensor_names,
+        mlp_bias="blk.0.ffn_up.bias" in tensor_names,
+        architecture=arch,
+        dtype=dtype,
+        param_dtype=dtype,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+    )
+
+
+def tokenizer_from_gguf(meta: dict[str, Any], *, source: str = "GGUF"):
+    """A transformers fast tokenizer (special tokens, BOS policy, chat template) from GGUF metadata."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    kind = meta.get("tokenizer.ggml.model")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if kind != "gpt2":
+        raise CheckpointError(f"{source}: tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE, "
+                              "'gpt2'); load the Hugging Face folder with its tokenizer.json instead")
+    if pre not in _SUPPORTED_PRE:
+        raise CheckpointError(f"{source}: tokenizer.ggml.pre={pre!r} is not supported "
+                              f"(supported: {', '.join(_SUPPORTED_PRE)})")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    token_types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    merges = []
+    for i, merge in enumerate(meta.get("tokenizer.ggml.merges") or []):
+        parts = merge.split(" ")
+        if len(parts) != 2:
+            raise CheckpointError(f"{source}: tokenizer.ggml.merges[{i}]={merge!r} is not a pair")
+        merges.append((parts[0], parts[1]))
+    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                               if pre == "smollm" else byte_level)
+    tokenizer.decoder = decoders.ByteLevel()
+    # token_type 3 = control (special), 4 = user-defined (added, not special)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                          for t, kind_ in zip(tokens, token_types, strict=True) if kind_ == 4])
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t, kind_ in zip(tokens, token_types, strict=True) if kind_ == 3])
+
+    def token(key: str) -> str | None:
+        index = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[int(index)] if index is not None and 0 <= int(index) < len(tokens) else None
+
+    bos = token("bos_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    if add_bos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))])
+    else:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=bos,
+        eos_token=token("eos_token_id"),
+        unk_token=token("unknown_token_id"),
+        pad_token=token("padding_token_id") or token("eos_token_id"),
+        chat_template=meta.get("tokenizer.chat_template"),
+        add_bos_token=add_bos,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def load_gguf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: Mesh | None = None,
+              rules: Rules | None = None) -> tuple[LlamaForCausalLM, Any]:
+    """(model, tokenizer) from a llama.cpp GGUF file; weights dequantised to ``dtype``."""
+    from gguf.quants import dequantize
+
+    reader = _open(path)
+    meta = _fields(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    config = config_from_gguf(meta, set(tensors), dtype=jnp.dtype(dtype).name, source=str(path))
+    hf_to_gguf = {}
+    for name in tensors:
+        hf_name = gguf_to_hf_name(name)
+        if hf_name is not None:
+            hf_to_gguf[hf_name] = name
+
+    def load_tensor(our_path: tuple, shape: tuple[int, ...]) -> np.ndarray:
+        hf_name, kind = hf_layout(our_path)
+        if hf_name not in hf_to_gguf:
+            raise CheckpointError(f"{path}: the GGUF file has no tensor for {hf_name}")
+        tensor = tensors[hf_to_gguf[hf_name]]
+        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        array = array.reshape(tuple(int(n) for n in reversed(tensor.shape)))
+        expected = hf_shape(kind, shape)
+        if array.shape != expected:
+            raise CheckpointError(f"{path}: tensor {tensor.name} has shape {array.shape} but the config needs "
+                                  f"{expected}")
+        if config.architecture == "llama" and re.search(r"self_attn\.[qk]_proj", hf_name):
+            heads = config.num_heads if ".q_proj" in hf_name else config.num_kv_heads
+            array = unpermute_qk(array, heads)
+        return from_hf(kind, array, shape)
+
+    model = build_model(config, load_tensor, mesh=mesh, rules=rules)
+    return model, tokenizer_from_gguf(meta, source=str(path))
+
+
+def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype=jnp.float32) -> Path:
+    """Writes a Hugging Face folder (config, safetensors, tokenizer) for a GGUF file; returns its path."""
+    model, tokenizer = load_gguf(gguf_path, dtype=dtype)
+    save_hf(model, out_dir, tokenizer=tokenizer)
+    return Path(out_dir)

@@ -1,0 +1,363 @@
+"""Hugging Face checkpoints in and out: ``config.json`` + safetensors (single file or sharded with an index).
+
+``load_hf`` reads tensors lazily, one at a time, and places each straight into its target sharding.
+``save_hf`` writes a folder that ``transformers.AutoModelForCausalLM`` loads. Pickle checkpoints
+(``pytorch_model.bin``) are refused: safetensors only.
+
+Parameter layout: our kernels are ``[in..., out...]`` with heads split out (q: ``[D, H, hd]``,
+o: ``[H, hd, D]``); Hugging Face stores ``[out, in]``. ``hf_layout`` names the HF tensor and the rule.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxalign.models.config import SUPPORTED_ARCHITECTURES, LlamaConfig, RopeScaling
+from jaxalign.models.factory import build_model
+from jaxalign.models.llama import LlamaForCausalLM
+from jaxalign.parallel.mesh import Rules
+
+_HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCH_FROM_CLASS = {cls: arch for arch, cls in _HF_CLASS.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder or file that cannot be read as this model; the message names what is wrong."""
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype: str | None = None,
+                   source: str = "config.json") -> LlamaConfig:
+    """``LlamaConfig`` from a Hugging Face ``config.json`` dict (old ``rope_theta``/``rope_scaling`` spelling
+    or transformers v5's ``rope_parameters``)."""
+    arch = hf.get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        classes = hf.get("architectures") or []
+        arch = next((_ARCH_FROM_CLASS[c] for c in classes if c in _ARCH_FROM_CLASS), arch)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(
+            f"{source}: unsupported architecture model_type={hf.get('model_type')!r} "
+            f"(architectures={hf.get('architectures')}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise CheckpointError(f"{source}: hidden_act={act!r} is not supported (only silu / SwiGLU)")
+    try:
+        rope_params = dict(hf.get("rope_parameters") or {})
+        scaling = dict(hf.get("rope_scaling") or rope_params)
+        rope_theta = float(rope_params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise CheckpointError(f"{source}: rope type {rope_type!r} is not supported "
+                                  "(supported: default, linear, llama3)")
+        rope = RopeScaling(
+            rope_type=rope_type,
+            factor=float(scaling.get("factor", 1.0)),
+            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)))
+        num_heads = int(hf["num_attention_heads"])
+        num_layers = int(hf["num_hidden_layers"])
+        hidden = int(hf["hidden_size"])
+        window, window_layers = 0, ()
+        if arch == "mistral" and hf.get("sliding_window"):
+            window = int(hf["sliding_window"])
+        if arch == "qwen2" and hf.get("sliding_window") and hf.get("use_sliding_window", False):
+            window = int(hf["sliding_window"])
+            first = int(hf.get("max_window_layers", num_layers))
+            window_layers = tuple(i >= first for i in range(num_layers))
+        if hf.get("layer_types") and window:
+            window_layers = tuple(t == "sliding_attention" for t in hf["layer_types"])
+        attention_bias = bool(hf.get("attention_bias", False))
+        return LlamaConfig(
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or attention_bias,
+            o_bias=arch == "llama" and attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            sliding_window=window,
+            sliding_window_layers=window_layers,
+            architecture=arch,
+            dtype=dtype,
+            param_dtype=param_dtype or dtype,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+            pad_token_id=hf.get("pad_token_id"),
+        )
+    except KeyError as err:
+        raise CheckpointError(f"{source}: missing field {err.args[0]!r}") from None
+    except (TypeError, ValueError) as err:
+        if isinstance(err, CheckpointError):
+            raise
+        raise CheckpointError(f"{source}: {err}") from None
+
+
+def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
+    """``config.json`` contents for ``config`` (legacy ``rope_theta``/``rope_scaling`` spelling, which
+    transformers 4.x and 5.x both read)."""
+    arch = config.architecture
+    if arch == "qwen2" and (not config.qkv_bias or config.o_bias):
+        raise CheckpointError("qwen2 checkpoints need q/k/v biases and no o_proj bias")
+    if arch == "mistral" and (config.qkv_bias or config.o_bias or config.mlp_bias):
+        raise CheckpointError("mistral checkpoints have no biases; save as architecture='llama'")
+    if arch == "llama" and config.qkv_bias != config.o_bias:
+        raise CheckpointError("llama's attention_bias puts biases on q, k, v and o alike; "
+                              "save q/k/v-only biases as architecture='qwen2'")
+    rope_scaling = None
+    if config.rope_scaling.rope_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": config.rope_scaling.factor}
+    elif config.rope_scaling.rope_type == "llama3":
+        rope_scaling = {"rope_type": "llama3", "factor": config.rope_scaling.factor,
+                        "low_freq_factor": config.rope_scaling.low_freq_factor,
+                        "high_freq_factor": config.rope_scaling.high_freq_factor,
+                        "original_max_position_embeddings": config.rope_scaling.original_max_position_embeddings}
+    out: dict[str, Any] = {
+        "architectures": [_HF_CLASS[arch]],
+        "model_type": arch,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": list(config.eos_token_id) if isinstance(config.eos_token_id, tuple)
+        else config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+        "torch_dtype": config.param_dtype,
+        "use_cache": True,
+    }
+    if arch == "llama":
+        out.update(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias)
+    if arch == "mistral":
+        out["sliding_window"] = config.sliding_window or None
+    if arch == "qwen2":
+        out["use_sliding_window"] = bool(config.sliding_window)
+        out["sliding_window"] = config.sliding_window or None
+        out["max_window_layers"] = config.num_layers
+        out["layer_types"] = ["sliding_attention" if config.layer_window(i) else "full_attention"
+                              for i in range(config.num_layers)]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- layout
+
+# (our path pattern, HF name template, kind). kind "linear:N" = kernel whose first N dims are inputs.
+_LAYOUT = (
+    (r"embed_tokens", "model.embed_tokens.weight", "copy"),
+    (r"norm\.weight", "model.norm.weight", "copy"),
+    (r"lm_head", "lm_head.weight", "linear:1"),
+    (r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", "model.layers.{0}.{1}.weight", "copy"),
+    (r"layers\.(\d+)\.self_attn\.([qkv])_proj", "model.layers.{0}.self_attn.{1}_proj.weight", "linear:1"),
+    (r"layers\.(\d+)\.self_attn\.o_proj", "model.layers.{0}.self_attn.o_proj.weight", "linear:2"),
+    (r"layers\.(\d+)\.self_attn\.([qkv])_bias", "model.layers.{0}.self_attn.{1}_proj.bias", "flat"),
+    (r"layers\.(\d+)\.self_attn\.o_bias", "model.layers.{0}.self_attn.o_proj.bias", "copy"),
+    (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj", "model.layers.{0}.mlp.{1}_proj.weight", "linear:1"),
+    (r"layers\.(\d+)\.mlp\.(gate|up|down)_bias", "model.layers.{0}.mlp.{1}_proj.bias", "copy"),
+)
+
+
+def hf_layout(path: tuple) -> tuple[str, str]:
+    dotted = ".".join(str(p) for p in path)
+    for pattern, template, kind in _LAYOUT:
+        match = re.fullmatch(pattern, dotted)
+        if match:
+            return template.format(*match.groups()), kind
+    raise KeyError(f"no Hugging Face name for parameter {dotted}")
+
+
+def hf_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of the HF tensor that holds one of our parameters of ``shape``."""
+    if kind == "copy":
+        return shape
+    if kind == "flat":
+        return (math.prod(shape),)
+    n_in = int(kind.split(":")[1])
+    return (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
+
+
+def from_hf(kind: str, tensor: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """HF tensor -> our layout."""
+    if kind.startswith("linear"):
+        return np.ascontiguousarray(tensor.T).reshape(shape)
+    return tensor.reshape(shape)
+
+
+def to_hf(kind: str, array: np.ndarray) -> np.ndarray:
+    """Our layout -> HF tensor."""
+    shape = hf_shape(kind, array.shape)
+    if kind.startswith("linear"):
+        return np.ascontiguousarray(array.reshape(shape[1], shape[0]).T)
+    return array.reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def _safetensors_files(folder: Path) -> dict[str, Path]:
+    """Maps each tensor name to the safetensors file holding it."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as err:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({err})") from None
+        missing = sorted({f for f in weight_map.values() if not (folder / f).exists()})
+        if missing:
+            raise CheckpointError(f"{index} lists shard files that do not exist: {missing}")
+        return {name: folder / file for name, file in weight_map.items()}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+        hint = (f" ({', '.join(pickles)} are pickle files, which jaxalign does not load for security; convert "
+                "them to safetensors)" if pickles else "")
+        raise CheckpointError(f"{folder}: no *.safetensors weights found{hint}")
+    names: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="numpy") as handle:
+            names.update(dict.fromkeys(handle.keys(), file))
+    return names
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    config_path = Path(path) / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{path}: no config.json (expected a Hugging Face model folder)")
+    try:
+        return json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_path}: invalid JSON ({err})") from None
+
+
+def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, mesh: Mesh | None = None,
+            rules: Rules | None = None) -> LlamaForCausalLM:
+    """Loads a Hugging Face Llama / Mistral / Qwen2 folder (``config.json`` + safetensors).
+
+    ``dtype`` is the compute dtype and, unless ``param_dtype`` is given, the parameter dtype. With
+    ``mesh``, each tensor is read once and placed directly into its ``NamedSharding``.
+    Raises ``CheckpointError`` naming the tensor and both shapes when the weights do not fit the config.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{path}: not a directory (load_hf expects a Hugging Face model folder)")
+    dtype_name = jnp.dtype(dtype).name
+    config = config_from_hf(read_hf_config(folder), dtype=dtype_name,
+                            param_dtype=jnp.dtype(param_dtype).name if param_dtype is not None else None,
+                            source=str(folder / "config.json"))
+    files = _safetensors_files(folder)
+    handles: dict[Path, Any] = {}
+    used: set[str] = set()
+
+    def load_tensor(our_path: tuple, shape: tuple[int, ...]) -> np.ndarray:
+        name, kind = hf_layout(our_path)
+        if name not in files:
+            raise CheckpointError(f"{folder}: tensor {name} is missing from the checkpoint "
+                                  f"(needed for parameter {'.'.join(map(str, our_path))})")
+        file = files[name]
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="numpy")
+        tensor = handles[file].get_tensor(name)
+        expected = hf_shape(kind, shape)
+        if tuple(tensor.shape) != expected:
+            raise CheckpointError(f"{file}: tensor {name} has shape {tuple(tensor.shape)} but the config "
+                                  f"needs {expected}")
+        used.add(name)
+        return from_hf(kind, tensor, shape)
+
+    try:
+        model = build_model(config, load_tensor, mesh=mesh, rules=rules)
+    finally:
+        handles.clear()
+    ignorable = re.compile(r".*rotary_emb\.inv_freq|lm_head\.weight")
+    unused = sorted(n for n in files if n not in used and not ignorable.fullmatch(n))
+    if unused:
+        warnings.warn(f"{folder}: {len(unused)} tensors were not used: {unused[:5]}", stacklevel=2)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- saving
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)B?\s*", size.upper())
+    if not match:
+        raise ValueError(f"max_shard_size={size!r}: expected bytes or a size like '5GB', '500MB'")
+    return int(float(match.group(1)) * {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}[match.group(2)])
+
+
+def save_hf(model: LlamaForCausalLM, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
+            tokenizer=None) -> None:
+    """Writes ``config.json`` + safetensors (sharded with an index above ``max_shard_size``) that
+    ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads; also the tokenizer if given.
+
+    Tensors are gathered to the host one at a time, in the parameter dtype.
+    """
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    limit = _parse_size(max_shard_size)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    shard_bytes = 0
+    for our_path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name, kind = hf_layout(our_path)
+        tensor = to_hf(kind, np.asarray(jax.device_get(variable.get_value())))
+        if shards[-1] and shard_bytes + tensor.nbytes > limit:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += tensor.nbytes
+    for stale in list(folder.glob("model*.safetensors")) + [folder / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / "model.safetensors"), metadata=metadata)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(folder / file), metadata=metadata)
+            weight_map.update(dict.fromkeys(shard, file))
+        total = sum(t.nbytes for shard in shards for t in shard.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (folder / "config.json").write_text(json.dumps(config_to_hf(config), indent=2))
+    generation = {k: v for k, v in (("bos_token_id", config.bos_token_id), ("pad_token_id", config.pad_token_id),
+                                    ("eos_token_id", config_to_hf(config)["eos_token_id"])) if v is not None}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))

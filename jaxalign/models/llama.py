@@ -1,0 +1,312 @@
+"""Flax NNX decoder for the Llama family (Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM2), one config for all.
+
+RMSNorm, rotary embeddings (default / linear / Llama-3 scaling), grouped-query attention, SwiGLU MLP,
+optional q/k/v (and o) biases, tied or untied embeddings, configurable head_dim, optional sliding window.
+
+The forward pass takes token ids or input embeddings, an attention mask (left or right padding),
+optional positions, optional segment ids (packing: attention stays inside a segment and positions
+restart), and an optional ``KVCache`` for incremental decoding. Every parameter carries logical axis
+names (``logical_axes`` metadata), mapped to mesh axes by ``jaxalign.parallel``.
+
+Numerics follow the PyTorch reference (transformers' ``LlamaForCausalLM``): RMSNorm and softmax in
+float32, rotary tables in float32, matmuls in ``config.dtype``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxalign.models.config import LlamaConfig
+from jaxalign.parallel.mesh import constrain
+
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+class KVCache(NamedTuple):
+    """Decoding state: per-layer keys/values ``[B, S, kv_heads, head_dim]`` in slot order.
+
+    ``valid [B, S]`` marks slots holding real tokens, ``index`` is the number of slots written (the same
+    for every row), ``lengths [B]`` the number of real tokens seen per row (the next position).
+    """
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    valid: jax.Array
+    index: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def init(cls, config: LlamaConfig, batch_size: int, max_length: int) -> KVCache:
+        shape = (batch_size, max_length, config.num_kv_heads, config.head_dim)
+        zeros = tuple(jnp.zeros(shape, config.dtype) for _ in range(config.num_layers))
+        return cls(keys=zeros, values=tuple(jnp.zeros(shape, config.dtype) for _ in range(config.num_layers)),
+                   valid=jnp.zeros((batch_size, max_length), bool), index=jnp.zeros((), jnp.int32),
+                   lengths=jnp.zeros((batch_size,), jnp.int32))
+
+    @property
+    def max_length(self) -> int:
+        return self.valid.shape[1]
+
+
+class ModelOutput(NamedTuple):
+    logits: jax.Array
+    hidden: jax.Array
+    cache: KVCache | None
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None, init: str = "normal") -> nnx.Param:
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (scale or 0.02) * jax.random.normal(rngs.params(), shape, jnp.float32)
+        value = value.astype(dtype)
+    return nnx.Param(value, logical_axes=tuple(axes))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs):
+        self.eps = eps
+        self.weight = _param(rngs, (dim,), ("norm",), param_dtype, init="ones")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rotary_tables(config: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin ``[B, T, head_dim]`` (float32) for integer ``positions [B, T]``."""
+    inv_freq = jnp.asarray(config.inv_freq(), jnp.float32)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on ``x [B, T, heads, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: LlamaConfig, window: int, rngs: nnx.Rngs):
+        self.config = config
+        self.window = window
+        d, h, kv, hd, pd = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                            config.param_dtype)
+        std = d ** -0.5
+        self.q_proj = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), pd, std)
+        self.k_proj = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd, std)
+        self.v_proj = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), pd, std)
+        self.o_proj = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), pd, (h * hd) ** -0.5)
+        if config.qkv_bias:
+            self.q_bias = _param(rngs, (h, hd), ("heads", "head_dim"), pd, init="zeros")
+            self.k_bias = _param(rngs, (kv, hd), ("kv_heads", "head_dim"), pd, init="zeros")
+            self.v_bias = _param(rngs, (kv, hd), ("kv_heads", "head_dim"), pd, init="zeros")
+        if config.o_bias:
+            self.o_bias = _param(rngs, (d,), ("embed",), pd, init="zeros")
+
+    def _project(self, x, name: str) -> jax.Array:
+        kernel = getattr(self, f"{name}_proj")[...].astype(x.dtype)
+        y = jnp.einsum("btd,dhk->bthk", x, kernel)
+        if self.config.qkv_bias:
+            y = y + getattr(self, f"{name}_bias")[...].astype(x.dtype)
+        return y
+
+    def __call__(self, x, cos, sin, mask, cache_kv=None, cache_index=None):
+        """x ``[B,T,D]``; mask ``[B,T,S]`` bool over the S key slots; ``cache_kv`` = (keys, values) or None."""
+        cfg = self.config
+        q = apply_rotary(self._project(x, "q"), cos, sin)
+        k = apply_rotary(self._project(x, "k"), cos, sin)
+        v = self._project(x, "v")
+        if cache_kv is not None:
+            keys = jax.lax.dynamic_update_slice_in_dim(cache_kv[0], k.astype(cache_kv[0].dtype), cache_index, 1)
+            values = jax.lax.dynamic_update_slice_in_dim(cache_kv[1], v.astype(cache_kv[1].dtype), cache_index, 1)
+            k, v, new_kv = keys.astype(x.dtype), values.astype(x.dtype), (keys, values)
+        else:
+            new_kv = None
+        batch, length = x.shape[:2]
+        groups = cfg.num_heads // cfg.num_kv_heads
+        q = q.reshape(batch, length, cfg.num_kv_heads, groups, cfg.head_dim)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+        scores = scores * (cfg.head_dim ** -0.5)
+        scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(batch, length, cfg.num_heads, cfg.head_dim)
+        y = jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(x.dtype))
+        if cfg.o_bias:
+            y = y + self.o_bias[...].astype(x.dtype)
+        return y, new_kv
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: LlamaConfig, rngs: nnx.Rngs):
+        self.config = config
+        d, f, pd = config.hidden_size, config.intermediate_size, config.param_dtype
+        self.gate_proj = _param(rngs, (d, f), ("embed", "mlp"), pd, d ** -0.5)
+        self.up_proj = _param(rngs, (d, f), ("embed", "mlp"), pd, d ** -0.5)
+        self.down_proj = _param(rngs, (f, d), ("mlp", "embed"), pd, f ** -0.5)
+        if config.mlp_bias:
+            self.gate_bias = _param(rngs, (f,), ("mlp",), pd, init="zeros")
+            self.up_bias = _param(rngs, (f,), ("mlp",), pd, init="zeros")
+            self.down_bias = _param(rngs, (d,), ("embed",), pd, init="zeros")
+
+    def __call__(self, x):
+        def dense(inputs, name):
+            y = inputs @ getattr(self, f"{name}_proj")[...].astype(x.dtype)
+            return y + getattr(self, f"{name}_bias")[...].astype(x.dtype) if self.config.mlp_bias else y
+
+        hidden = jax.nn.silu(dense(x, "gate")) * dense(x, "up")
+        return dense(constrain(hidden, ("batch", "length", "mlp")), "down")
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: LlamaConfig, layer: int, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.param_dtype, rngs)
+        self.self_attn = Attention(config, config.layer_window(layer), rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.param_dtype, rngs)
+        self.mlp = MLP(config, rngs)
+
+    def __call__(self, x, cos, sin, mask, cache_kv=None, cache_index=None):
+        attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_kv, cache_index)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return constrain(x, ("batch", "length", "act_embed")), new_kv
+
+
+def positions_from_mask(attention_mask: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    """Positions ``[B, T]``: 0, 1, ... over real tokens (left padding gets 0), restarting per segment."""
+    if segment_ids is None:
+        return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
+    index = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)[None, :]
+    boundary = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    start = jax.lax.cummax(jnp.where(boundary, index, 0), axis=1)
+    return index - start
+
+
+def _attention_mask(q_slots, k_slots, k_valid, q_segments, k_segments, window: int) -> jax.Array:
+    """``[B, T, S]``: key slot visible from query slot (causal, valid, same segment, inside the window)."""
+    mask = (k_slots[:, None, :] <= q_slots[:, :, None]) & k_valid[:, None, :]
+    if q_segments is not None:
+        mask &= q_segments[:, :, None] == k_segments[:, None, :]
+    if window:
+        mask &= q_slots[:, :, None] - k_slots[:, None, :] < window
+    return mask
+
+
+class LlamaForCausalLM(nnx.Module):
+    """The decoder with its LM head.
+
+    ``model(tokens, attention_mask)`` returns logits ``[B, T, V]``. With ``cache=`` or
+    ``return_hidden=True`` it returns a ``ModelOutput(logits, hidden, cache)`` instead.
+    """
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        d, v, pd = config.hidden_size, config.vocab_size, config.param_dtype
+        self.embed_tokens = _param(rngs, (v, d), ("vocab", "embed"), pd, d ** -0.5)
+        self.layers = nnx.List([DecoderLayer(config, i, rngs) for i in range(config.num_layers)])
+        self.norm = RMSNorm(d, config.rms_norm_eps, pd, rngs)
+        if not config.tie_word_embeddings:
+            self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), pd, d ** -0.5)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Token embeddings ``[B, T, D]`` in the compute dtype."""
+        table = self.embed_tokens[...]
+        return jnp.take(table, tokens, axis=0).astype(self.config.dtype)
+
+    def unembed(self, hidden: jax.Array) -> jax.Array:
+        """Logits ``[B, T, V]`` from final (normed) hidden states."""
+        if self.config.tie_word_embeddings:
+            kernel = self.embed_tokens[...].astype(hidden.dtype).T
+        else:
+            kernel = self.lm_head[...].astype(hidden.dtype)
+        return constrain(hidden @ kernel, ("batch", "length", "vocab"))
+
+    def hidden_states(
+        self,
+        tokens: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+        *,
+        inputs_embeds: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Final-norm hidden states ``[B, T, D]`` and the updated cache (None without one)."""
+        if (tokens is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of tokens and inputs_embeds")
+        x = self.embed(tokens) if inputs_embeds is None else inputs_embeds.astype(self.config.dtype)
+        batch, length = x.shape[:2]
+        if attention_mask is None:
+            attention_mask = (segment_ids > 0) if segment_ids is not None else jnp.ones((batch, length), bool)
+        attention_mask = attention_mask.astype(bool)
+        if cache is not None and segment_ids is not None:
+            raise ValueError("segment_ids (packing) cannot be combined with a KV cache")
+
+        if cache is None:
+            if positions is None:
+                positions = positions_from_mask(attention_mask, segment_ids)
+            slots = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+            k_slots, k_valid, k_segments = slots, attention_mask, segment_ids
+        else:
+            if positions is None:
+                positions = cache.lengths[:, None] + positions_from_mask(attention_mask)
+            slots = cache.index + jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+            k_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, attention_mask, cache.index, 1)
+            k_slots = jnp.broadcast_to(jnp.arange(cache.max_length, dtype=jnp.int32), (batch, cache.max_length))
+            k_segments = None
+
+        cos, sin = rotary_tables(self.config, positions)
+        x = constrain(x, ("batch", "length", "act_embed"))
+        masks: dict[int, jax.Array] = {}
+        new_keys, new_values = [], []
+        for i, layer in enumerate(self.layers):
+            window = self.config.layer_window(i)
+            if window not in masks:
+                masks[window] = _attention_mask(slots, k_slots, k_valid, segment_ids, k_segments, window)
+            cache_kv = None if cache is None else (cache.keys[i], cache.values[i])
+            x, new_kv = layer(x, cos, sin, masks[window], cache_kv, None if cache is None else cache.index)
+            if new_kv is not None:
+                new_keys.append(new_kv[0])
+                new_values.append(new_kv[1])
+        hidden = self.norm(x)
+        if cache is None:
+            return hidden, None
+        new_cache = KVCache(keys=tuple(new_keys), values=tuple(new_values), valid=k_valid,
+                            index=cache.index + length,
+                            lengths=cache.lengths + attention_mask.sum(axis=1, dtype=jnp.int32))
+        return hidden, new_cache
+
+    def __call__(
+        self,
+        tokens: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+        *,
+        inputs_embeds: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        cache: KVCache | None = None,
+        return_hidden: bool = False,
+    ) -> jax.Array | ModelOutput:
+        """Logits ``[B, T, V]``; a ``ModelOutput`` when ``cache`` is given or ``return_hidden`` is set.
+
+        tokens ``[B, T]`` int (or ``inputs_embeds [B, T, D]``); attention_mask ``[B, T]`` 1 on real tokens
+        (left or right padding); positions ``[B, T]`` (default: counted over real tokens, per segment);
+        segment_ids ``[B, T]`` (packing; 0 = padding).
+        """
+        hidden, new_cache = self.hidden_states(tokens, attention_mask, inputs_embeds=inputs_embeds,
+                                               positions=positions, segment_ids=segment_ids, cache=cache)
+        logits = self.unembed(hidden)
+        if cache is None and not return_hidden:
+            return logits
+        return ModelOutput(logits=logits, hidden=hidden, cache=new_cache)

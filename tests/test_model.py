@@ -1,0 +1,190 @@
+"""The decoder: logit parity with transformers, packing, KV cache, sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxalign.models import KVCache, LlamaConfig, create_model, load_hf, positions_from_mask
+from jaxalign.parallel import shard_batch
+
+B, T = 3, 12
+
+
+def padded_batch(side: str, vocab: int = 128, seed: int = 0):
+    rng = np.random.RandomState(seed)
+    tokens = rng.randint(3, vocab, (B, T))
+    mask = np.ones((B, T), np.int32)
+    lengths = [T, T - 4, T - 7]
+    for row, length in enumerate(lengths):
+        if side == "right":
+            mask[row, length:] = 0
+        else:
+            mask[row, : T - length] = 0
+    tokens = np.where(mask == 1, tokens, 0)
+    return tokens, mask
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_logit_parity_with_transformers(arch, side, tmp_path):
+    from torch_reference import make_reference, torch_logits
+
+    reference = make_reference(arch, tmp_path)
+    model = load_hf(tmp_path)
+    tokens, mask = padded_batch(side)
+    expected = torch_logits(reference, tokens, mask)
+    got = np.asarray(jax.jit(lambda m, t, a: m(t, a))(model, jnp.asarray(tokens), jnp.asarray(mask)))
+    real = mask.astype(bool)
+    assert np.abs(got - expected)[real].max() <= 1e-4
+
+
+def test_config_features_reach_the_model(tmp_path):
+    from torch_reference import make_reference
+
+    make_reference("mistral", tmp_path / "mistral")
+    make_reference("qwen2", tmp_path / "qwen2")
+    make_reference("llama", tmp_path / "llama")
+    mistral, qwen, llama = (load_hf(tmp_path / n).config for n in ("mistral", "qwen2", "llama"))
+    assert mistral.sliding_window == 5 and mistral.head_dim == 24
+    assert mistral.rope_scaling.rope_type == "linear"
+    assert qwen.qkv_bias and not qwen.o_bias and qwen.tie_word_embeddings
+    assert llama.rope_scaling.rope_type == "llama3" and llama.num_kv_heads == 2
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_config):
+    return create_model(tiny_config, seed=1)
+
+
+@pytest.fixture(scope="module")
+def forward():
+    return jax.jit(lambda model, tokens, mask: model(tokens, mask))
+
+
+def test_inputs_embeds_match_tokens(tiny_model, forward):
+    tokens, mask = padded_batch("right")
+    from_tokens = forward(tiny_model, jnp.asarray(tokens), jnp.asarray(mask))
+    embeds = tiny_model.embed(jnp.asarray(tokens))
+    from_embeds = tiny_model(inputs_embeds=embeds, attention_mask=jnp.asarray(mask))
+    np.testing.assert_allclose(from_embeds, from_tokens, atol=1e-5)
+    with pytest.raises(ValueError, match="exactly one"):
+        tiny_model(jnp.asarray(tokens), inputs_embeds=embeds)
+
+
+def test_return_hidden(tiny_model, tiny_config):
+    tokens, mask = padded_batch("right")
+    out = tiny_model(jnp.asarray(tokens), jnp.asarray(mask), return_hidden=True)
+    assert out.hidden.shape == (B, T, tiny_config.hidden_size)
+    np.testing.assert_allclose(tiny_model.unembed(out.hidden), out.logits, atol=1e-6)
+
+
+def test_positions_from_mask():
+    mask = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0]])
+    np.testing.assert_array_equal(positions_from_mask(mask), [[0, 0, 0, 1, 2], [0, 1, 2, 2, 2]])
+    segments = jnp.array([[1, 1, 2, 2, 2, 0], [1, 2, 2, 3, 0, 0]])
+    np.testing.assert_array_equal(positions_from_mask(segments > 0, segments),
+                                  [[0, 1, 0, 1, 2, 0], [0, 0, 1, 0, 0, 1]])
+
+
+def test_packed_forward_equals_separate(tiny_model, forward):
+    rng = np.random.RandomState(3)
+    first, second = rng.randint(3, 128, 7), rng.randint(3, 128, 4)
+    packed = np.zeros((1, 14), np.int32)
+    packed[0, :7], packed[0, 7:11] = first, second
+    segments = np.zeros((1, 14), np.int32)
+    segments[0, :7], segments[0, 7:11] = 1, 2
+    logits = tiny_model(jnp.asarray(packed), segment_ids=jnp.asarray(segments))
+    alone_first = forward(tiny_model, jnp.asarray(first[None]), jnp.ones((1, 7), jnp.int32))
+    alone_second = forward(tiny_model, jnp.asarray(second[None]), jnp.ones((1, 4), jnp.int32))
+    np.testing.assert_allclose(logits[0, :7], alone_first[0], atol=1e-5)
+    np.testing.assert_allclose(logits[0, 7:11], alone_second[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_kv_cache_decoding_matches_full_forward(tiny_config, window):
+    config = tiny_config.replace(sliding_window=window, sliding_window_layers=(True, False) if window else ())
+    model = create_model(config, seed=2)
+    tokens, mask = padded_batch("left")
+    full = model(jnp.asarray(tokens), jnp.asarray(mask))
+    prefill = 5
+
+    @jax.jit
+    def step(model, tokens, mask, cache):
+        out = model(tokens, mask, cache=cache)
+        return out.logits, out.cache
+
+    cache = KVCache.init(config, B, T)
+    logits, cache = step(model, jnp.asarray(tokens[:, :prefill]), jnp.asarray(mask[:, :prefill]), cache)
+    pieces = [logits]
+    for t in range(prefill, T):
+        logits, cache = step(model, jnp.asarray(tokens[:, t:t + 1]), jnp.asarray(mask[:, t:t + 1]), cache)
+        pieces.append(logits)
+    decoded = np.concatenate([np.asarray(p) for p in pieces], axis=1)
+    real = mask.astype(bool)
+    assert np.abs(decoded - np.asarray(full))[real].max() <= 1e-5
+    assert int(cache.index) == T
+    np.testing.assert_array_equal(cache.lengths, mask.sum(1))
+
+
+def test_cache_rejects_packing(tiny_model, tiny_config):
+    cache = KVCache.init(tiny_config, 1, 8)
+    with pytest.raises(ValueError, match="segment_ids"):
+        tiny_model(jnp.ones((1, 2), jnp.int32), segment_ids=jnp.ones((1, 2), jnp.int32), cache=cache)
+
+
+def test_sharded_forward_equals_unsharded(tiny_config, mesh8, tiny_model):
+    tokens, mask = padded_batch("right")
+    tokens, mask = np.concatenate([tokens, tokens[:1]]), np.concatenate([mask, mask[:1]])  # batch 4
+    expected = np.asarray(tiny_model(jnp.asarray(tokens), jnp.asarray(mask)))
+    with jax.set_mesh(mesh8):
+        sharded = create_model(tiny_config, seed=1, mesh=mesh8)
+        logits = jax.jit(lambda m, t, a: m(t, a))(sharded, shard_batch(tokens, mesh8), shard_batch(mask, mesh8))
+    assert np.abs(np.asarray(logits) - expected).max() <= 1e-5
+    spec = lambda x: tuple(x.sharding.spec)  # noqa: E731
+    layer = sharded.layers[0]
+    assert spec(layer.self_attn.q_proj[...]) == ("fsdp", "tensor", None)
+    assert spec(layer.mlp.down_proj[...]) == ("tensor", "fsdp")
+    assert spec(sharded.embed_tokens[...]) == ("tensor", "fsdp")
+    assert len(layer.mlp.gate_proj[...].addressable_shards) == 8
+    shard_shape = layer.mlp.gate_proj[...].addressable_shards[0].data.shape
+    assert shard_shape == (tiny_config.hidden_size // 2, tiny_config.intermediate_size // 2)
+    assert spec(logits) == (("data", "fsdp"), None, "tensor")
+
+
+def test_uneven_heads_fall_back_to_replication(mesh8):
+    config = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=64, num_layers=1, num_heads=3,
+                         num_kv_heads=1, head_dim=16)
+    with jax.set_mesh(mesh8):
+        model = create_model(config, mesh=mesh8)
+    assert tuple(model.layers[0].self_attn.q_proj[...].sharding.spec) == ("fsdp", None, None)
+
+
+def test_param_count_matches_config(tiny_config):
+    model = create_model(tiny_config)
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert count == tiny_config.num_params()
+    tied = tiny_config.replace(tie_word_embeddings=True, qkv_bias=True)
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(create_model(tied), nnx.Param)))
+    assert count == tied.num_params()
+
+
+def test_bf16_compute_path(tiny_config):
+    model = create_model(tiny_config.replace(dtype="bfloat16"), seed=1)
+    tokens, mask = padded_batch("right")
+    logits = model(jnp.asarray(tokens), jnp.asarray(mask))
+    assert logits.dtype == jnp.bfloat16
+    reference = create_model(tiny_config, seed=1)(jnp.asarray(tokens), jnp.asarray(mask))
+    assert np.abs(np.asarray(logits, np.float32) - np.asarray(reference)).max() < 0.1
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        LlamaConfig(num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="architecture"):
+        LlamaConfig(architecture="gpt2")
+    with pytest.raises(ValueError, match="rope_type"):
+        from jaxalign.models import RopeScaling
+
+        RopeScaling("yarn")

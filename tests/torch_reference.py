@@ -1,0 +1,43 @@
+"""Random tiny transformers (PyTorch) models saved with ``save_pretrained``: the parity reference."""
+
+import numpy as np
+
+torch = __import__("pytest").importorskip("torch")
+transformers = __import__("transformers")
+
+ARCH_CONFIGS = {
+    # GQA + Llama-3 rope scaling
+    "llama": dict(cls="LlamaConfig", rope_theta=500000.0, max_position_embeddings=64,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    # sliding window shorter than the test sequences, linear rope scaling, explicit head_dim
+    "mistral": dict(cls="MistralConfig", sliding_window=5, head_dim=24,
+                    rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    # q/k/v biases, tied embeddings
+    "qwen2": dict(cls="Qwen2Config", tie_word_embeddings=True),
+}
+
+
+def make_reference(arch: str, folder, seed: int = 0, **overrides):
+    """Builds, randomises (biases too) and saves a tiny model; returns the eval-mode torch model."""
+    kwargs = dict(ARCH_CONFIGS[arch])
+    cls = getattr(transformers, kwargs.pop("cls"))
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = cls(**{**base, **kwargs, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls.__name__.replace("Config", "ForCausalLM"))(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(str(folder))
+    return model
+
+
+def torch_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(tokens, dtype=torch.long),
+                    attention_mask=torch.tensor(mask, dtype=torch.long))
+    return out.logits.float().numpy()
