@@ -10,14 +10,14 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-import importlib.util  # noqa: E402
-from pathlib import Path  # noqa: E402
+import importlib.util
+from pathlib import Path
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
-from jaxalign.models import LlamaConfig  # noqa: E402
-from jaxalign.parallel import make_mesh  # noqa: E402
+from jaxalign.models import LlamaConfig
+from jaxalign.parallel import make_mesh
 
 TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                    num_kv_heads=2)

@@ -142,7 +142,7 @@ def test_sharded_forward_equals_unsharded(tiny_config, mesh8, tiny_model):
         sharded = create_model(tiny_config, seed=1, mesh=mesh8)
         logits = jax.jit(lambda m, t, a: m(t, a))(sharded, shard_batch(tokens, mesh8), shard_batch(mask, mesh8))
     assert np.abs(np.asarray(logits) - expected).max() <= 1e-5
-    spec = lambda x: tuple(x.sharding.spec)  # noqa: E731
+    spec = lambda x: tuple(x.sharding.spec)
     layer = sharded.layers[0]
     assert spec(layer.self_attn.q_proj[...]) == ("fsdp", "tensor", None)
     assert spec(layer.mlp.down_proj[...]) == ("tensor", "fsdp")

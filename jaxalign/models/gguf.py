@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from jaxalign.models.config import LlamaConfig, RopeScaling
 from jaxalign.models.factory import build_model
-from jaxalign.models.hf import CheckpointError, hf_layout, from_hf, hf_shape, save_hf
+from jaxalign.models.hf import CheckpointError, from_hf, hf_layout, hf_shape, save_hf
 from jaxalign.models.llama import LlamaForCausalLM
 from jaxalign.parallel.mesh import Rules
 

@@ -341,7 +341,7 @@ def save_hf(model: LlamaForCausalLM, path: str | os.PathLike, *, max_shard_size:
             shard_bytes = 0
         shards[-1][name] = tensor
         shard_bytes += tensor.nbytes
-    for stale in list(folder.glob("model*.safetensors")) + [folder / "model.safetensors.index.json"]:
+    for stale in [*folder.glob("model*.safetensors"), folder / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)
     metadata = {"format": "pt"}
     if len(shards) == 1:

@@ -120,9 +120,9 @@ def logical_to_spec(
         for axis in axes:
             if axis in used or (mesh is not None and axis not in sizes):
                 continue
-            if shape is not None and mesh is not None:
-                if shape[dim] % (math.prod(sizes[a] for a in kept) * sizes[axis]):
-                    continue
+            ways = math.prod(sizes[a] for a in kept) * sizes.get(axis, 1)
+            if shape is not None and mesh is not None and shape[dim] % ways:
+                continue
             kept.append(axis)
         used.update(kept)
         spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
