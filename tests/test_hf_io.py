@@ -1,0 +1,133 @@
+"""Hugging Face folders in and out: config spellings, round trips, sharded files, clear errors."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxalign.models import CheckpointError, config_from_hf, create_model, load_hf, save_hf
+from jaxalign.models.config import LlamaConfig, RopeScaling
+
+LEGACY = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 500000.0,
+          "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192}}
+
+
+def test_config_both_rope_spellings():
+    legacy = config_from_hf(LEGACY)
+    v5 = dict(LEGACY)
+    del v5["rope_theta"], v5["rope_scaling"]
+    v5["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert config_from_hf(v5) == legacy
+    assert legacy.rope_theta == 500000.0 and legacy.rope_scaling.rope_type == "llama3"
+    assert legacy.head_dim == 16
+    plain = config_from_hf({**v5, "rope_parameters": {"rope_type": "default", "rope_theta": 1e5}})
+    assert plain.rope_scaling == RopeScaling() and plain.rope_theta == 1e5
+
+
+def test_llama3_inv_freq_matches_transformers():
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig as HFConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = HFConfig(**{k: v for k, v in LEGACY.items() if k != "model_type"}, max_position_embeddings=131072)
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, torch.device("cpu"))
+    np.testing.assert_allclose(config_from_hf(LEGACY).inv_freq(), expected.numpy(), rtol=1e-6)
+
+
+def test_config_errors_name_the_problem():
+    with pytest.raises(CheckpointError, match="unsupported architecture model_type='gpt2'"):
+        config_from_hf({**LEGACY, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(CheckpointError, match="missing field 'hidden_size'"):
+        config_from_hf({k: v for k, v in LEGACY.items() if k != "hidden_size"})
+    with pytest.raises(CheckpointError, match="rope type 'yarn'"):
+        config_from_hf({**LEGACY, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+    with pytest.raises(CheckpointError, match="hidden_act='gelu'"):
+        config_from_hf({**LEGACY, "hidden_act": "gelu"})
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_save_hf_round_trip_through_transformers(arch, tmp_path):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                         num_kv_heads=2, architecture=arch, qkv_bias=arch == "qwen2",
+                         tie_word_embeddings=arch == "qwen2", bos_token_id=1, eos_token_id=2,
+                         rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 16) if arch == "llama" else RopeScaling())
+    model = create_model(config, seed=4)
+    if arch == "qwen2":  # non-zero biases, so the round trip checks them
+        for layer in model.layers:
+            layer.self_attn.q_bias[...] = 0.1 * jnp.ones_like(layer.self_attn.q_bias[...])
+    save_hf(model, tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), local_files_only=True).eval()
+    tokens = np.random.RandomState(0).randint(0, 128, (2, 10))
+    mask = np.ones_like(tokens)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        expected = reference(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask)).logits.numpy()
+    got = np.asarray(model(jnp.asarray(tokens), jnp.asarray(mask)))
+    assert np.abs(got - expected)[mask.astype(bool)].max() <= 1e-4
+    reloaded = load_hf(tmp_path)
+    assert reloaded.config == config
+    np.testing.assert_array_equal(reloaded(jnp.asarray(tokens), jnp.asarray(mask)), got)
+
+
+def test_sharded_files_and_loading_into_a_mesh(tmp_path, mesh8, tiny_config):
+    model = create_model(tiny_config, seed=5)
+    save_hf(model, tmp_path, max_shard_size="60KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and all((tmp_path / f).exists() for f in files)
+    assert not (tmp_path / "model.safetensors").exists()
+    tokens = jnp.asarray(np.random.RandomState(1).randint(0, 128, (4, 8)))
+    with jax.set_mesh(mesh8):
+        sharded = load_hf(tmp_path, mesh=mesh8)
+        logits = jax.jit(lambda m, t: m(t))(sharded, tokens)
+    assert tuple(sharded.layers[1].self_attn.k_proj[...].sharding.spec) == ("fsdp", "tensor", None)
+    np.testing.assert_allclose(logits, model(tokens), atol=1e-5)
+    save_hf(model, tmp_path)  # re-saving as one file removes the stale shards
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
+
+
+def test_bf16_checkpoint_loads_in_float32(tmp_path, tiny_config):
+    model = create_model(tiny_config.replace(param_dtype="bfloat16"), seed=6)
+    save_hf(model, tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert tensors["model.norm.weight"].dtype.name == "bfloat16"
+    loaded = load_hf(tmp_path, dtype=jnp.float32)
+    assert loaded.layers[0].mlp.up_proj[...].dtype == jnp.float32
+    np.testing.assert_array_equal(loaded.layers[0].mlp.up_proj[...],
+                                  model.layers[0].mlp.up_proj[...].astype(jnp.float32))
+
+
+def test_mismatched_shape_names_tensor_and_shapes(tmp_path, tiny_config):
+    save_hf(create_model(tiny_config), tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["model.layers.1.mlp.up_proj.weight"] = np.zeros((97, 64), np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight has shape \(97, 64\) but "
+                                              r"the config needs \(96, 64\)"):
+        load_hf(tmp_path)
+
+
+def test_missing_tensor_and_unsafe_formats(tmp_path, tiny_config):
+    save_hf(create_model(tiny_config), tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.0.self_attn.v_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.v_proj\.weight is missing"):
+        load_hf(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(CheckpointError, match="pickle"):
+        load_hf(tmp_path)
+    with pytest.raises(CheckpointError, match="not a directory"):
+        load_hf(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="mistral checkpoints have no biases"):
+        save_hf(create_model(tiny_config.replace(architecture="mistral", qkv_bias=True)), tmp_path / "x")
