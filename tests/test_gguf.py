@@ -131,7 +131,7 @@ def test_gguf_errors(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(CheckpointError, match="general.architecture='bert' is not supported"):
+    with pytest.raises(CheckpointError, match=r"general\.architecture='bert' is not supported"):
         load_gguf(tmp_path / "bert.gguf")
 
 
