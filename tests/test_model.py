@@ -188,3 +188,11 @@ def test_config_validation():
         from jaxalign.models import RopeScaling
 
         RopeScaling("yarn")
+
+
+def test_dot_product_attention_impl_matches(tiny_config):
+    tokens, mask = padded_batch("left")
+    reference = create_model(tiny_config, seed=1)(jnp.asarray(tokens), jnp.asarray(mask))
+    other = create_model(tiny_config.replace(attention_impl="dot_product"), seed=1)
+    np.testing.assert_allclose(other(jnp.asarray(tokens), jnp.asarray(mask))[mask == 1],
+                               np.asarray(reference)[mask == 1], atol=1e-5)

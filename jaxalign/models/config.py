@@ -14,6 +14,9 @@ import numpy as np
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# "xla": explicit einsum attention (any mask, KV cache); "dot_product": jax.nn.dot_product_attention with
+# XLA's choice of kernel; "cudnn": its cuDNN flash-attention kernel (NVIDIA GPUs, bf16/fp16).
+ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,7 @@ class LlamaConfig:
     sliding_window: int = 0  # 0: none
     sliding_window_layers: tuple[bool, ...] = ()
     architecture: str = "llama"
+    attention_impl: str = "xla"
     dtype: str = "float32"
     param_dtype: str = "float32"
     bos_token_id: int | None = None
@@ -81,6 +85,8 @@ class LlamaConfig:
         if self.sliding_window_layers and len(self.sliding_window_layers) != self.num_layers:
             problems.append(f"sliding_window_layers has {len(self.sliding_window_layers)} entries for "
                             f"{self.num_layers} layers")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            problems.append(f"attention_impl={self.attention_impl!r} (supported: {ATTENTION_IMPLS})")
         for name in ("dtype", "param_dtype"):
             try:
                 jnp.dtype(getattr(self, name))

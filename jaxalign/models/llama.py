@@ -134,6 +134,11 @@ class Attention(nnx.Module):
         else:
             new_kv = None
         batch, length = x.shape[:2]
+        if cfg.attention_impl != "xla":
+            out = jax.nn.dot_product_attention(
+                q, k, v, mask=mask[:, None, :, :],
+                implementation=None if cfg.attention_impl == "dot_product" else cfg.attention_impl)
+            return self._output(out), new_kv
         groups = cfg.num_heads // cfg.num_kv_heads
         q = q.reshape(batch, length, cfg.num_kv_heads, groups, cfg.head_dim)
         scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
@@ -141,10 +146,13 @@ class Attention(nnx.Module):
         scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(batch, length, cfg.num_heads, cfg.head_dim)
-        y = jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(x.dtype))
-        if cfg.o_bias:
-            y = y + self.o_bias[...].astype(x.dtype)
-        return y, new_kv
+        return self._output(out), new_kv
+
+    def _output(self, heads: jax.Array) -> jax.Array:
+        y = jnp.einsum("bthk,hkd->btd", heads, self.o_proj[...].astype(heads.dtype))
+        if self.config.o_bias:
+            y = y + self.o_bias[...].astype(heads.dtype)
+        return y
 
 
 class MLP(nnx.Module):
