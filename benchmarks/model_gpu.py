@@ -183,6 +183,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="model_gpu.jsonl")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, to test the script")
+    parser.add_argument("--only", default="", help="comma list of shape:impl train runs (default: all), "
+                                                   "impl in transformers|xla|cudnn; skips parity and generation")
     args = parser.parse_args()
     smoke = args.smoke
     reps = 2 if smoke else 10
@@ -201,35 +203,37 @@ def main() -> None:
     peak = section("matmul_peak", lambda: {"bf16_tflops": matmul_peak(512 if smoke else 8192, reps) / 1e12,
                                            "device": jax.devices()[0].device_kind, "jax": jax.__version__})
     peak_flops = peak.get("bf16_tflops", float("nan")) * 1e12
-    section("parity", lambda: parity_check("/tmp/jaxalign_parity"))
+    if not args.only:
+        section("parity", lambda: parity_check("/tmp/jaxalign_parity"))
 
     runs = ([("tiny", 4, 64)] if smoke else [("smollm2-135m", 16, 2048), ("llama-1b", 8, 1024)])
     dtype = "float32" if smoke else "bfloat16"
-    for shape, batch, seq in runs:
-        for impl in (("xla",) if smoke else ("xla", "cudnn")):
-            cfg = LlamaConfig(**SHAPES[shape], dtype=dtype, param_dtype="float32", attention_impl=impl)
+    impls = ["transformers"] + (["xla"] if smoke else ["xla", "cudnn"])
+    # PyTorch first: JAX's allocator keeps the memory it has used, PyTorch's gives it back.
+    for impl in impls:
+        for shape, batch, seq in runs:
+            if args.only and f"{shape}:{impl}" not in args.only.split(","):
+                continue
+            cfg = LlamaConfig(**SHAPES[shape], dtype=dtype, param_dtype="float32",
+                              attention_impl="xla" if impl == "transformers" else impl)
 
-            def run_jax(cfg=cfg, batch=batch, seq=seq, shape=shape):
-                seconds, compile_s = jax_train_step_time(cfg, batch, seq, reps)
+            def run(cfg=cfg, batch=batch, seq=seq, shape=shape, impl=impl):
+                record = {"shape": shape, "batch": batch, "seq": seq}
+                if impl == "transformers":
+                    seconds = torch_train_step_time(cfg, batch, seq, reps)
+                    empty_torch_cache()
+                    record["impl"] = "transformers/sdpa+autocast"
+                else:
+                    seconds, record["compile_s"] = jax_train_step_time(cfg, batch, seq, reps)
+                    record["impl"] = f"jaxalign/{impl}"
                 tokens_s = batch * seq / seconds
-                return {"shape": shape, "impl": f"jaxalign/{cfg.attention_impl}", "batch": batch, "seq": seq,
-                        "step_s": seconds, "compile_s": compile_s, "tokens_s": tokens_s,
+                return {**record, "step_s": seconds, "tokens_s": tokens_s,
                         "mfu": tokens_s * flops_per_token(cfg, seq) / peak_flops}
 
-            section("train_step", run_jax)
-
-        def run_torch(cfg=cfg, batch=batch, seq=seq, shape=shape):
-            seconds = torch_train_step_time(cfg, batch, seq, reps)
-            empty_torch_cache()
-            tokens_s = batch * seq / seconds
-            return {"shape": shape, "impl": "transformers/sdpa+autocast", "batch": batch, "seq": seq,
-                    "step_s": seconds, "tokens_s": tokens_s,
-                    "mfu": tokens_s * flops_per_token(cfg, seq) / peak_flops}
-
-        section("train_step", run_torch)
+            section("train_step", run)
 
     gen_cfg = LlamaConfig(**SHAPES["tiny" if smoke else "smollm2-135m"], dtype=dtype, param_dtype=dtype)
-    for batch in (1, 8):
+    for batch in () if args.only else (1, 8):
         section("generate", lambda batch=batch: generation(gen_cfg, batch, 16 if smoke else 128,
                                                            8 if smoke else 128))
 
