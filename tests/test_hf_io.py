@@ -131,3 +131,10 @@ def test_missing_tensor_and_unsafe_formats(tmp_path, tiny_config):
         load_hf(tmp_path / "nope")
     with pytest.raises(CheckpointError, match="mistral checkpoints have no biases"):
         save_hf(create_model(tiny_config.replace(architecture="mistral", qkv_bias=True)), tmp_path / "x")
+
+
+def test_config_overrides(tmp_path, tiny_config):
+    save_hf(create_model(tiny_config), tmp_path)
+    assert load_hf(tmp_path, config_overrides={"attention_impl": "dot_product"}).config.attention_impl == "dot_product"
+    with pytest.raises(ValueError, match="attention_impl='flash'"):
+        load_hf(tmp_path, config_overrides={"attention_impl": "flash"})

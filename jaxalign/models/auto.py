@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +31,18 @@ def bundled_smollm2() -> Path | None:
 
 
 def load_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, mesh: Mesh | None = None,
-                    rules: Rules | None = None) -> tuple[LlamaForCausalLM, Any]:
+                    rules: Rules | None = None, config_overrides: Mapping[str, Any] | None = None,
+                    ) -> tuple[LlamaForCausalLM, Any]:
     """(model, tokenizer) from a HF folder (tokenizer None if the folder has none) or a GGUF file."""
+    options = dict(dtype=dtype, mesh=mesh, rules=rules, config_overrides=config_overrides)
     location = Path(path)
     if location.is_file() and location.suffix == ".gguf":
-        return load_gguf(location, dtype=dtype, mesh=mesh, rules=rules)
+        return load_gguf(location, **options)
     if not location.exists():
         raise CheckpointError(f"{path}: no such model folder or .gguf file")
     if not location.is_dir():
         raise CheckpointError(f"{path}: expected a Hugging Face model folder or a .gguf file")
-    model = load_hf(location, dtype=dtype, mesh=mesh, rules=rules)
+    model = load_hf(location, **options)
     try:
         tokenizer = load_tokenizer(location)
     except FileNotFoundError:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -179,14 +180,18 @@ def tokenizer_from_gguf(meta: dict[str, Any], *, source: str = "GGUF"):
 
 
 def load_gguf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: Mesh | None = None,
-              rules: Rules | None = None) -> tuple[LlamaForCausalLM, Any]:
-    """(model, tokenizer) from a llama.cpp GGUF file; weights dequantised to ``dtype``."""
+              rules: Rules | None = None, config_overrides: Mapping[str, Any] | None = None,
+              ) -> tuple[LlamaForCausalLM, Any]:
+    """(model, tokenizer) from a llama.cpp GGUF file; weights dequantised to ``dtype``.
+
+    ``config_overrides`` replaces config fields (e.g. ``attention_impl``)."""
     from gguf.quants import dequantize
 
     reader = _open(path)
     meta = _fields(reader)
     tensors = {t.name: t for t in reader.tensors}
     config = config_from_gguf(meta, set(tensors), dtype=jnp.dtype(dtype).name, source=str(path))
+    config = config.replace(**(config_overrides or {}))
     hf_to_gguf = {}
     for name in tensors:
         hf_name = gguf_to_hf_name(name)

@@ -263,11 +263,12 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, mesh: Mesh | None = None,
-            rules: Rules | None = None) -> LlamaForCausalLM:
+            rules: Rules | None = None, config_overrides: Mapping[str, Any] | None = None) -> LlamaForCausalLM:
     """Loads a Hugging Face Llama / Mistral / Qwen2 folder (``config.json`` + safetensors).
 
     ``dtype`` is the compute dtype and, unless ``param_dtype`` is given, the parameter dtype. With
     ``mesh``, each tensor is read once and placed directly into its ``NamedSharding``.
+    ``config_overrides`` replaces config fields that are not in the checkpoint (e.g. ``attention_impl``).
     Raises ``CheckpointError`` naming the tensor and both shapes when the weights do not fit the config.
     """
     folder = Path(path)
@@ -276,7 +277,7 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, mes
     dtype_name = jnp.dtype(dtype).name
     config = config_from_hf(read_hf_config(folder), dtype=dtype_name,
                             param_dtype=jnp.dtype(param_dtype).name if param_dtype is not None else None,
-                            source=str(folder / "config.json"))
+                            source=str(folder / "config.json")).replace(**(config_overrides or {}))
     files = _safetensors_files(folder)
     handles: dict[Path, Any] = {}
     used: set[str] = set()
