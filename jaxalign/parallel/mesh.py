@@ -120,8 +120,7 @@ def logical_to_spec(
         for axis in axes:
             if axis in used or (mesh is not None and axis not in sizes):
                 continue
-            ways = math.prod(sizes[a] for a in kept) * sizes.get(axis, 1)
-            if shape is not None and mesh is not None and shape[dim] % ways:
+            if shape is not None and mesh is not None and shape[dim] % (math.prod(sizes[a] for a in kept) * sizes[axis]):
                 continue
             kept.append(axis)
         used.update(kept)
