@@ -120,7 +120,8 @@ def logical_to_spec(
         for axis in axes:
             if axis in used or (mesh is not None and axis not in sizes):
                 continue
-            if shape is not None and mesh is not None and shape[dim] % (math.prod(sizes[a] for a in kept) * sizes[axis]):
+            splits = math.prod(sizes[a] for a in (*kept, axis)) if mesh is not None else 1
+            if shape is not None and shape[dim] % splits:
                 continue
             kept.append(axis)
         used.update(kept)
