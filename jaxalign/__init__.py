@@ -7,7 +7,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("models", "parallel", "sampling")
+_SUBPACKAGES = ("losses", "models", "objectives", "parallel", "sampling")
 
 
 def __getattr__(name: str):

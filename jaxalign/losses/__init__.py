@@ -1,0 +1,28 @@
+"""Pure loss functions on log-probs (optax style): per-example, unreduced outputs plus a metrics dict.
+
+Nothing here runs a model or touches I/O; ``jaxalign.objectives`` runs the forward passes and calls these.
+"""
+
+from jaxalign.losses.ift import ift, ift_weights, reverse_discounted_cumsum
+from jaxalign.losses.logps import greedy_from_hidden, sequence_logps, token_logps, token_logps_from_hidden
+from jaxalign.losses.mpo import mpo, reward_gap
+from jaxalign.losses.preference import DPO_LOSS_TYPES, dpo, log1mexp, orpo, simpo
+from jaxalign.losses.sft import sft
+
+__all__ = [
+    "DPO_LOSS_TYPES",
+    "dpo",
+    "greedy_from_hidden",
+    "ift",
+    "ift_weights",
+    "log1mexp",
+    "mpo",
+    "orpo",
+    "reverse_discounted_cumsum",
+    "reward_gap",
+    "sequence_logps",
+    "sft",
+    "simpo",
+    "token_logps",
+    "token_logps_from_hidden",
+]

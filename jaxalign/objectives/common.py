@@ -1,0 +1,96 @@
+"""Shared pieces of the objectives: weighted metrics (sums and denominators) and the policy forward pass."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxalign.losses import token_logps, token_logps_from_hidden
+
+
+class Metric(NamedTuple):
+    """A mean kept as ``total / count`` so micro-batches, devices and hosts combine exactly (Tunix style)."""
+
+    total: jax.Array
+    count: jax.Array
+
+    @property
+    def value(self) -> jax.Array:
+        return self.total / jnp.maximum(self.count, 1e-9)
+
+    def __add__(self, other: Metric) -> Metric:  # type: ignore[override]
+        return Metric(self.total + other.total, self.count + other.count)
+
+
+Metrics = dict[str, Metric]
+
+
+def example_weights(batch: Mapping[str, Any], key: str, size: int) -> jax.Array:
+    """``batch["example_weight"]`` (1 = real example, 0 = filler row) or ones."""
+    weight = batch.get("example_weight")
+    if weight is None:
+        return jnp.ones((size,), jnp.float32)
+    weight = jnp.asarray(weight, jnp.float32)
+    if weight.shape != (size,):
+        raise ValueError(f"example_weight has shape {weight.shape}, expected ({size},) to match {key}")
+    return weight
+
+
+def weighted_means(per_example: Mapping[str, jax.Array], weight: jax.Array) -> Metrics:
+    """Each ``[B]`` metric as ``Metric(Σ w·m, Σ w)``."""
+    count = weight.sum()
+    return {name: Metric((jax.lax.stop_gradient(value) * weight).sum(), count) for name, value in per_example.items()}
+
+
+def token_nll_metric(per_example: Mapping[str, jax.Array], weight: jax.Array) -> Metric:
+    """Mean NLL over every trained token of the batch (``nll/sum`` over ``len/completion``)."""
+    return Metric(jax.lax.stop_gradient((per_example["nll/sum"] * weight).sum()),
+                  (per_example["len/completion"] * weight).sum())
+
+
+def require(batch: Mapping[str, Any], *keys: str, objective: str) -> list[jax.Array]:
+    missing = [k for k in keys if k not in batch]
+    if missing:
+        raise KeyError(f"the {objective} objective needs batch fields {missing}; the batch has {sorted(batch)}")
+    return [batch[k] for k in keys]
+
+
+def head_kernel(model) -> jax.Array:
+    """The model's unembedding ``[D, V]``."""
+    if model.config.tie_word_embeddings:
+        return model.embed_tokens[...].T
+    return model.lm_head[...]
+
+
+def policy_token_logps(model, tokens: jax.Array, attention_mask: jax.Array, loss_mask: jax.Array, *,
+                       inputs_embeds: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                       chunk_size: int = 0, return_hidden: bool = False):
+    """Token log-probs ``[B, T]`` of ``tokens`` under ``model`` (and the final hidden states if asked).
+
+    ``chunk_size > 0`` takes the memory-light path (``token_logps_from_hidden``): the ``[B, T, V]`` logits
+    are never held at once.
+    """
+    hidden, _ = model.hidden_states(None if inputs_embeds is not None else tokens, attention_mask,
+                                    inputs_embeds=inputs_embeds, segment_ids=segment_ids)
+    if chunk_size > 0:
+        logps = token_logps_from_hidden(hidden, head_kernel(model), tokens, loss_mask, chunk_size=chunk_size)
+    else:
+        logps = token_logps(model.unembed(hidden), tokens, loss_mask)
+    return (logps, hidden) if return_hidden else logps
+
+
+def concat_pair(batch: Mapping[str, Any], prefix: str, objective: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``[prefix]chosen_*`` and ``[prefix]rejected_*`` stacked on the batch axis (``[2B, T]``), padded to
+    a common length, so one forward pass serves both."""
+    fields = ("tokens", "attention_mask", "loss_mask")
+    chosen = require(batch, *(f"{prefix}chosen_{f}" for f in fields), objective=objective)
+    rejected = require(batch, *(f"{prefix}rejected_{f}" for f in fields), objective=objective)
+    length = max(chosen[0].shape[1], rejected[0].shape[1])
+
+    def pad(x):
+        return jnp.pad(jnp.asarray(x), ((0, 0), (0, length - x.shape[1])))
+
+    return tuple(jnp.concatenate([pad(c), pad(r)], axis=0) for c, r in zip(chosen, rejected, strict=True))
