@@ -36,8 +36,8 @@ def ift_weights(token_losses: jax.Array, loss_mask: jax.Array, *, gamma: float |
       loss_mask: ``[B, T]`` trained tokens (position 0 is never trained).
       gamma: discount, a Python float or a traced scalar.
     """
-    mask = loss_mask.astype(jnp.float32).at[:, 0].set(0.0)
-    losses = token_losses.astype(jnp.float32) * mask
+    mask = jnp.asarray(loss_mask, jnp.float32).at[:, 0].set(0.0)
+    losses = jnp.asarray(token_losses, jnp.float32) * mask
     n_tokens = mask.sum(axis=-1, keepdims=True)
     propagated = reverse_discounted_cumsum(losses / jnp.maximum(n_tokens, 1.0), gamma) * mask
     total = propagated.sum(axis=-1, keepdims=True)
@@ -56,8 +56,8 @@ def ift(token_losses: jax.Array, loss_mask: jax.Array, *, gamma: float | jax.Arr
       ``(per_seq_loss [B], metrics)`` with per-sequence ``nll/sum`` (unweighted summed NLL),
       ``ift/weighted_sum`` and ``len/completion``.
     """
-    mask = loss_mask.astype(jnp.float32).at[:, 0].set(0.0)
-    losses = token_losses.astype(jnp.float32) * mask
+    mask = jnp.asarray(loss_mask, jnp.float32).at[:, 0].set(0.0)
+    losses = jnp.asarray(token_losses, jnp.float32) * mask
     weights = ift_weights(losses, mask, gamma=gamma)
     if detach_weights:
         weights = jax.lax.stop_gradient(weights)

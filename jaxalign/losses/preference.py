@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 
 
 def _f32(*arrays):
@@ -33,10 +33,13 @@ def dpo(policy_chosen: jax.Array, policy_rejected: jax.Array, ref_chosen: jax.Ar
         ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Direct Preference Optimization (Rafailov et al., 2023, arXiv 2305.18290) and variants.
 
+
     With ``h = (π_c − ref_c) − (π_r − ref_r)`` (log-probs, ``[B]``):
       * ``sigmoid``: ``−(1−ε)·log σ(β h) − ε·log σ(−β h)`` (ε = ``label_smoothing``, cDPO);
       * ``ipo``: ``(h − 1/(2β))²`` (Azar et al., 2023, arXiv 2310.12036; pass length-averaged log-probs as TRL does);
-      * ``hinge``: ``max(0, 1 − β h)`` (SLiC, Zhao et al., 2023).
+      * ``hinge``: ``max(0, 1 − β h)`` (SLiC, Zhao et al., 2023);
+      * ``robust``: ``[−(1−ε) log σ(β h) + ε log σ(−β h)] / (1 − 2ε)`` (rDPO, Chowdhury et al., 2024; TRL's
+        ``label_smoothing`` for noisy labels).
     Zero reference log-probs give reference-free DPO. Rewards: ``β (π − ref)``, gradient-free.
     """
     if loss_type not in DPO_LOSS_TYPES:
@@ -48,6 +51,9 @@ def dpo(policy_chosen: jax.Array, policy_rejected: jax.Array, ref_chosen: jax.Ar
         loss = -(1 - label_smoothing) * jax.nn.log_sigmoid(beta * h) - label_smoothing * jax.nn.log_sigmoid(-beta * h)
     elif loss_type == "ipo":
         loss = (h - 1 / (2 * beta)) ** 2
+    elif loss_type == "robust":
+        loss = (-(1 - label_smoothing) * jax.nn.log_sigmoid(beta * h)
+                + label_smoothing * jax.nn.log_sigmoid(-beta * h)) / (1 - 2 * label_smoothing)
     else:
         loss = jax.nn.relu(1 - beta * h)
     chosen_rewards = jax.lax.stop_gradient(beta * (policy_chosen - ref_chosen))

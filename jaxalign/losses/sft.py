@@ -16,7 +16,7 @@ def sft(token_logps: jax.Array, loss_mask: jax.Array) -> tuple[jax.Array, dict[s
       ``(per_seq_loss [B], metrics)``; metrics are per-sequence: ``nll/sum`` (summed NLL, for a
       token-level mean across a batch), ``len/completion`` (N).
     """
-    mask = loss_mask.astype(jnp.float32).at[:, 0].set(0.0)
+    mask = jnp.asarray(loss_mask, jnp.float32).at[:, 0].set(0.0)
     n_tokens = mask.sum(axis=1)
     nll_sum = -(token_logps.astype(jnp.float32) * mask).sum(axis=1)
     per_seq = nll_sum / jnp.maximum(n_tokens, 1.0)

@@ -85,12 +85,13 @@ def dpo(model, batch, hparams: DPOParams = DPOParams(), *, reference=None, **_):
         raise ValueError("dpo needs a reference: pass reference=model, put ref_chosen_logps/ref_rejected_logps "
                          "in the batch, or set reference_free=True")
     ref_chosen, ref_rejected = jax.lax.stop_gradient(ref_chosen), jax.lax.stop_gradient(ref_rejected)
+    options = dict(beta=hparams.beta, label_smoothing=hparams.label_smoothing, loss_type=hparams.loss_type)
+    per_pair, per_example = losses.dpo(chosen, rejected, ref_chosen, ref_rejected, **options)
     if hparams.loss_type == "ipo" and hparams.ipo_average:
+        # the loss on per-token log-ratios; rewards stay on summed log-probs (as TRL logs them)
         scale_c, scale_r = 1 / jnp.maximum(chosen_len, 1.0), 1 / jnp.maximum(rejected_len, 1.0)
-        chosen, rejected, ref_chosen, ref_rejected = (chosen * scale_c, rejected * scale_r, ref_chosen * scale_c,
-                                                      ref_rejected * scale_r)
-    per_pair, per_example = losses.dpo(chosen, rejected, ref_chosen, ref_rejected, beta=hparams.beta,
-                                       label_smoothing=hparams.label_smoothing, loss_type=hparams.loss_type)
+        per_pair, _ = losses.dpo(chosen * scale_c, rejected * scale_r, ref_chosen * scale_c, ref_rejected * scale_r,
+                                 **options)
     return reduce_pair_losses(per_pair, per_example, batch, chosen_len, rejected_len)
 
 

@@ -1,0 +1,264 @@
+"""Loss functions against hand-computed numbers and NumPy re-derivations written from the formulas."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxalign import losses
+
+SEEDS = range(6)
+
+
+# ------------------------------------------------------------------------------------------- references
+def np_log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def np_log_sigmoid(x):
+    return -np.logaddexp(0, -x)
+
+
+def np_token_logps(logits, tokens, mask):
+    out = np.zeros(tokens.shape)
+    lsm = np_log_softmax(logits.astype(np.float64))
+    for b in range(tokens.shape[0]):
+        for t in range(1, tokens.shape[1]):
+            if mask[b, t]:
+                out[b, t] = lsm[b, t - 1, tokens[b, t]]
+    return out
+
+
+def np_ift(losses_, mask, gamma):
+    """Loops straight from ALGORITHMS.md §1(b) step 4-5."""
+    per_seq = []
+    for ell, m in zip(losses_, mask, strict=True):
+        m = m.astype(float).copy()
+        m[0] = 0
+        n = m.sum()
+        u = m * ell / n
+        g = np.array([sum(gamma ** (k - t) * u[k] for k in range(t, len(u))) for t in range(len(u))]) * m
+        w = m if gamma == 0 else m * g * n / (m * g).sum()
+        per_seq.append((m * w * ell).sum() / n)
+    return np.array(per_seq)
+
+
+def random_logits(seed, b=3, t=7, v=11):
+    rng = np.random.RandomState(seed)
+    logits = rng.randn(b, t, v).astype(np.float32) * 2
+    tokens = rng.randint(0, v, (b, t))
+    mask = (rng.rand(b, t) > 0.3).astype(np.int32)
+    return logits, tokens, mask
+
+
+# ----------------------------------------------------------------------------------------------- logps
+@pytest.mark.parametrize("seed", SEEDS)
+def test_token_and_sequence_logps(seed):
+    logits, tokens, mask = random_logits(seed)
+    expected = np_token_logps(logits, tokens, mask)
+    got = losses.token_logps(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(mask))
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    assert (np.asarray(got)[:, 0] == 0).all()
+    total, count = losses.sequence_logps(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(mask))
+    np.testing.assert_allclose(total, expected.sum(1), atol=1e-5)
+    np.testing.assert_array_equal(count, mask[:, 1:].sum(1))
+
+
+def test_token_logps_jit_and_bf16():
+    logits, tokens, mask = random_logits(0)
+    plain = losses.token_logps(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(mask))
+    jitted = jax.jit(losses.token_logps)(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(mask))
+    np.testing.assert_allclose(jitted, plain, atol=1e-6)
+    half = losses.token_logps(jnp.asarray(logits, jnp.bfloat16), jnp.asarray(tokens), jnp.asarray(mask))
+    assert half.dtype == jnp.float32
+    np.testing.assert_allclose(half, plain, atol=0.1)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 16])
+def test_chunked_logps_equal_plain(chunk):
+    rng = np.random.RandomState(chunk)
+    hidden = jnp.asarray(rng.randn(2, 9, 8), jnp.float32)
+    kernel = jnp.asarray(rng.randn(8, 13), jnp.float32)
+    tokens = jnp.asarray(rng.randint(0, 13, (2, 9)))
+    mask = jnp.asarray(rng.rand(2, 9) > 0.2)
+    plain = lambda h, k: losses.token_logps(h @ k, tokens, mask)
+    chunked = lambda h, k: losses.token_logps_from_hidden(h, k, tokens, mask, chunk_size=chunk)
+    np.testing.assert_allclose(jax.jit(chunked)(hidden, kernel), plain(hidden, kernel), atol=1e-5)
+    grad_plain = jax.grad(lambda h, k: plain(h, k).sum(), argnums=(0, 1))(hidden, kernel)
+    grad_chunked = jax.grad(lambda h, k: chunked(h, k).sum(), argnums=(0, 1))(hidden, kernel)
+    for a, b in zip(grad_chunked, grad_plain, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    np.testing.assert_array_equal(losses.greedy_from_hidden(hidden, kernel, chunk_size=chunk),
+                                  jnp.argmax(hidden @ kernel, -1))
+
+
+# ------------------------------------------------------------------------------------------------- SFT
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sft(seed):
+    logits, tokens, mask = random_logits(seed)
+    mask[0] = 0  # a sequence with nothing to train on
+    logps = np_token_logps(logits, tokens, mask)
+    per_seq, metrics = losses.sft(jnp.asarray(logps, jnp.float32), jnp.asarray(mask))
+    n = mask[:, 1:].sum(1)
+    np.testing.assert_allclose(per_seq, -logps.sum(1) / np.maximum(n, 1), atol=1e-5)
+    np.testing.assert_array_equal(metrics["len/completion"], n)
+    assert per_seq[0] == 0
+
+
+# ------------------------------------------------------------------------------------------ preference
+def random_pairs(seed, b=8):
+    rng = np.random.RandomState(seed)
+    pc, pr, rc, rr = (-rng.rand(4, b) * 30).astype(np.float32)
+    lc, lr = rng.randint(1, 20, (2, b)).astype(np.float32)
+    return pc, pr, rc, rr, lc, lr
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("loss_type", "smoothing"), [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0),
+                                                      ("hinge", 0.0), ("robust", 0.1)])
+def test_dpo(seed, loss_type, smoothing):
+    pc, pr, rc, rr, _, _ = random_pairs(seed)
+    beta = 0.3
+    h = (pc.astype(np.float64) - rc) - (pr - rr)
+    expected = {
+        "sigmoid": -(1 - smoothing) * np_log_sigmoid(beta * h) - smoothing * np_log_sigmoid(-beta * h),
+        "ipo": (h - 1 / (2 * beta)) ** 2,
+        "hinge": np.maximum(0, 1 - beta * h),
+        "robust": (-(1 - smoothing) * np_log_sigmoid(beta * h) + smoothing * np_log_sigmoid(-beta * h))
+        / (1 - 2 * smoothing),
+    }[loss_type]
+    loss, metrics = jax.jit(lambda *a: losses.dpo(*a, beta=beta, label_smoothing=smoothing, loss_type=loss_type))(
+        pc, pr, rc, rr)
+    np.testing.assert_allclose(loss, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(metrics["rewards/margins"], beta * h, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(metrics["rewards/accuracies"], (beta * (pc - rc) > beta * (pr - rr)))
+
+
+def test_dpo_at_reference_is_ln2_and_reference_free():
+    logps = jnp.array([-3.0, -7.5])
+    loss, metrics = losses.dpo(logps, logps - 1, logps, logps - 1)
+    np.testing.assert_allclose(loss, np.log(2), rtol=1e-6)
+    np.testing.assert_allclose(metrics["rewards/chosen"], 0)
+    free, _ = losses.dpo(logps, logps - 1, jnp.zeros(2), jnp.zeros(2), beta=0.5)
+    np.testing.assert_allclose(free, -np_log_sigmoid(0.5 * np.ones(2)), rtol=1e-6)
+    with pytest.raises(ValueError, match="loss_type"):
+        losses.dpo(logps, logps, logps, logps, loss_type="kto")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_simpo(seed):
+    pc, pr, _, _, lc, lr = random_pairs(seed)
+    beta, ratio = 2.0, 0.8
+    z = beta * (pc / lc - pr / lr - ratio)
+    loss, metrics = losses.simpo(pc, pr, lc, lr, beta=beta, gamma_beta_ratio=ratio, label_smoothing=0.1)
+    np.testing.assert_allclose(loss, -0.9 * np_log_sigmoid(z) - 0.1 * np_log_sigmoid(-z), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(metrics["rewards/chosen"], beta * pc / lc, rtol=1e-5)
+    hinge, _ = losses.simpo(pc, pr, lc, lr, loss_type="hinge")
+    np.testing.assert_allclose(hinge, np.maximum(0, 1 - 2.0 * (pc / lc - pr / lr - 0.8)), rtol=1e-5, atol=1e-6)
+
+
+def test_simpo_without_margin_is_reference_free_dpo_on_averages():
+    pc, pr, _, _, _, _ = random_pairs(0)
+    length = np.full_like(pc, 7.0)
+    simpo, _ = losses.simpo(pc, pr, length, length, beta=2.0, gamma_beta_ratio=0.0)
+    dpo, _ = losses.dpo(pc / 7, pr / 7, np.zeros_like(pc), np.zeros_like(pc), beta=2.0)
+    np.testing.assert_allclose(simpo, dpo, rtol=1e-6)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_orpo(seed):
+    pc, pr, _, _, lc, lr = random_pairs(seed)
+    a_c, a_r = (pc / lc).astype(np.float64), (pr / lr).astype(np.float64)
+    log_odds = (a_c - np.log(1 - np.exp(a_c))) - (a_r - np.log(1 - np.exp(a_r)))
+    loss, metrics = losses.orpo(pc, pr, lc, lr, lam=0.25)
+    np.testing.assert_allclose(loss, -a_c - 0.25 * np_log_sigmoid(log_odds), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(metrics["log_odds_chosen"], log_odds, rtol=1e-4, atol=1e-5)
+
+
+def test_orpo_is_finite_at_certainty_and_is_sft_without_odds_term():
+    zero = jnp.zeros(3)
+    loss, _ = losses.orpo(zero, jnp.array([-1.0, 0.0, -50.0]), jnp.ones(3), jnp.ones(3))
+    grads = jax.grad(lambda c: losses.orpo(c, jnp.array([-1.0, 0.0, -50.0]), jnp.ones(3), jnp.ones(3))[0].sum())(zero)
+    assert np.isfinite(loss).all() and np.isfinite(grads).all()
+    pc, pr, _, _, lc, lr = random_pairs(1)
+    np.testing.assert_allclose(losses.orpo(pc, pr, lc, lr, lam=0.0)[0], -pc / lc, rtol=1e-6)
+    np.testing.assert_allclose(losses.log1mexp(jnp.array([-1e-8, -0.5, -40.0])),
+                               np.log(-np.expm1(np.array([-1e-8, -0.5, -40.0]))), rtol=1e-5, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------- IFT
+def test_ift_worked_example():
+    ell = jnp.array([[0.0, 1.0, 2.0, 3.0]])
+    mask = jnp.array([[0, 1, 1, 1]])
+    np.testing.assert_allclose(losses.ift_weights(ell, mask, gamma=0.95)[0, 1:], [1.25005, 1.08118, 0.66877],
+                               atol=1e-5)
+    loss, _ = losses.ift(ell, mask, gamma=0.95)
+    np.testing.assert_allclose(loss, [1.80624], atol=1e-5)
+    grad = jax.grad(lambda x: losses.ift(x, mask, gamma=0.95)[0].sum())(ell)
+    np.testing.assert_allclose(grad[0, 1:], [0.35677, 0.31788, 0.27124], atol=1e-5)
+    grad = jax.grad(lambda x: losses.ift(x, mask, gamma=0.95, detach_weights=True)[0].sum())(ell)
+    np.testing.assert_allclose(grad[0, 1:], [0.41668, 0.36039, 0.22292], atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 0.95, 1.0])
+def test_ift_random(seed, gamma):
+    rng = np.random.RandomState(seed)
+    ell = rng.rand(4, 9).astype(np.float32) * 3
+    mask = (rng.rand(4, 9) > 0.25).astype(np.int32)
+    mask[:, 1] = 1
+    loss, _ = jax.jit(lambda x, m: losses.ift(x, m, gamma=gamma))(ell, mask)
+    np.testing.assert_allclose(loss, np_ift(ell.astype(np.float64), mask, gamma), rtol=1e-5, atol=1e-6)
+    weights = losses.ift_weights(jnp.asarray(ell), jnp.asarray(mask), gamma=gamma)
+    trained = mask.copy()
+    trained[:, 0] = 0
+    np.testing.assert_allclose((np.asarray(weights) * trained).sum(1) / trained.sum(1), 1.0, rtol=1e-5)
+    assert (np.asarray(weights)[trained == 0] == 0).all()
+
+
+def test_ift_gamma_zero_is_sft():
+    logits, tokens, mask = random_logits(2)
+    logps = losses.token_logps(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(mask))
+    np.testing.assert_allclose(losses.ift(-logps, mask, gamma=0.0)[0], losses.sft(logps, mask)[0], rtol=1e-6)
+
+
+def test_reverse_discounted_cumsum_long_sequences_stay_finite():
+    values = jnp.ones((1, 4096))
+    out = losses.reverse_discounted_cumsum(values, 0.95)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out[0, 0], 1 / (1 - 0.95), rtol=1e-4)
+    np.testing.assert_allclose(out[0, -3:], [1 + 0.95 + 0.95**2, 1.95, 1.0], rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------- MPO
+@pytest.mark.parametrize("seed", SEEDS)
+def test_mpo(seed):
+    pc, pr, rc, rr, lc, lr = random_pairs(seed)
+    rng = np.random.RandomState(seed)
+    h_policy, h_ref = rng.randn(2, 8, 2, 5).astype(np.float32)
+    ref_gap = rc / lc - rr / lr
+    loss, metrics = losses.mpo(pc, pr, lc, lr, ref_gap, beta=1.5, policy_hidden=h_policy, ref_hidden=h_ref)
+    gap = pc / lc - pr / lr
+    expected = (1.5 * gap - ref_gap) ** 2 + ((h_policy - h_ref) ** 2).reshape(8, -1).mean(1)
+    np.testing.assert_allclose(loss, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(metrics["reward_gap/target"], gap, rtol=1e-5, atol=1e-6)
+    # the batch mean equals the official nn.MSELoss(β·RG_t, RG_d) + nn.MSELoss(h, h_ref)
+    np.testing.assert_allclose(loss.mean(), np.mean((1.5 * gap - ref_gap) ** 2) + np.mean((h_policy - h_ref) ** 2),
+                               rtol=1e-5)
+
+
+def test_mpo_fixed_point_has_zero_loss_and_gradient():
+    beta = 1.5
+    pc, pr, lc, lr = jnp.array([-6.0, -9.0]), jnp.array([-12.0, -10.0]), jnp.array([3.0, 4.0]), jnp.array([4.0, 2.0])
+    dominant = beta * (pc / lc - pr / lr)
+    hidden = jnp.ones((2, 2, 4))
+
+    def total(chosen, h):
+        return losses.mpo(chosen, pr, lc, lr, dominant, beta=beta, policy_hidden=h, ref_hidden=hidden)[0].sum()
+
+    assert float(total(pc, hidden)) == pytest.approx(0.0, abs=1e-10)
+    grads = jax.grad(total, argnums=(0, 1))(pc, hidden)
+    assert all(float(jnp.abs(g).max()) == 0.0 for g in grads)
+    with pytest.raises(ValueError, match="both"):
+        losses.mpo(pc, pr, lc, lr, dominant, policy_hidden=hidden)
