@@ -26,6 +26,7 @@ from jaxalign.objectives.common import (
 from jaxalign.objectives.sft import NORMALIZATIONS, reduce_sequence_losses
 
 LAMBDA_SCHEDULES = ("constant", "linear")
+EMBEDDING_GRADS = ("none", "ground_truth")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,11 @@ class IFTParams:
     ``lambda_schedule``: ``constant`` (λ = ``max_lambda``) or ``linear`` (``min_lambda`` → ``max_lambda`` over
     ``warmup_steps``); ``disturb_std > 0`` multiplies λ by ``1 + disturb_std·ε``, ε ~ N(0, 1) per step (the
     paper's "noisy λ", 0.5 there). λ is clamped to [0, 1].
+
+    ``embedding_grad``: ``none`` (official code: inputs come from a frozen copy of the table, so the input
+    embeddings get no gradient; a tied table still learns through the LM head) or ``ground_truth`` (the
+    ``(1−λ)·E[s]`` term keeps its gradient, only the guess ``λ·E[ŝ]`` is a constant; with λ = γ = 0 this is
+    SFT exactly, input embeddings included).
     """
 
     max_lambda: float = 0.2
@@ -44,10 +50,13 @@ class IFTParams:
     disturb_std: float = 0.0
     gamma: float = 0.95
     detach_weights: bool = False
+    embedding_grad: str = "none"
     normalization: str = "sequence"
     logps_chunk_size: int = 0
 
     def __post_init__(self):
+        if self.embedding_grad not in EMBEDDING_GRADS:
+            raise ValueError(f"embedding_grad={self.embedding_grad!r}; expected one of {EMBEDDING_GRADS}")
         if self.lambda_schedule not in LAMBDA_SCHEDULES:
             raise ValueError(f"lambda_schedule={self.lambda_schedule!r}; expected one of {LAMBDA_SCHEDULES}")
         if self.normalization not in NORMALIZATIONS:
@@ -69,10 +78,13 @@ def ift_lambda(hparams: IFTParams, step, rng=None) -> jax.Array:
     return jnp.clip(lam, 0.0, 1.0)
 
 
-def mixed_embeddings(model, tokens, attention_mask, loss_mask, lam, *, chunk_size: int = 0) -> jax.Array:
+def mixed_embeddings(model, tokens, attention_mask, loss_mask, lam, *, chunk_size: int = 0,
+                     embedding_grad: str = "none") -> jax.Array:
     """Input embeddings for pass 2: the true embedding everywhere, mixed with the greedy guess's embedding
-    where ``loss_mask`` is set. No gradient reaches the embedding table through this path."""
+    where ``loss_mask`` is set. The guess never carries gradient to the table; the true term does only with
+    ``embedding_grad="ground_truth"``."""
     table = jax.lax.stop_gradient(model.embed_tokens[...])
+    true_table = model.embed_tokens[...] if embedding_grad == "ground_truth" else table
     with jax.named_scope("ift_pass1"):
         hidden, _ = model.hidden_states(tokens, attention_mask)
         hidden = jax.lax.stop_gradient(hidden)
@@ -82,7 +94,7 @@ def mixed_embeddings(model, tokens, attention_mask, loss_mask, lam, *, chunk_siz
             greedy = jnp.argmax(jax.lax.stop_gradient(model.unembed(hidden)), axis=-1)
     predicted = jnp.concatenate([tokens[:, :1], greedy[:, :-1].astype(tokens.dtype)], axis=1)
     dtype = model.config.dtype
-    true = jnp.take(table, tokens, axis=0).astype(dtype)
+    true = jnp.take(true_table, tokens, axis=0).astype(dtype)
     guess = jnp.take(table, predicted, axis=0).astype(dtype)
     lam = jnp.asarray(lam, dtype)
     return jnp.where(loss_mask.astype(bool)[..., None], (1 - lam) * true + lam * guess, true)
@@ -92,7 +104,8 @@ def ift(model, batch, hparams: IFTParams = IFTParams(), *, step=0, rng=None, **_
     """Batch fields: ``tokens``, ``attention_mask``, ``loss_mask`` ``[B, T]``; optional ``example_weight``."""
     tokens, attention_mask, loss_mask = require(batch, "tokens", "attention_mask", "loss_mask", objective="ift")
     lam = ift_lambda(hparams, step, rng)
-    embeds = mixed_embeddings(model, tokens, attention_mask, loss_mask, lam, chunk_size=hparams.logps_chunk_size)
+    embeds = mixed_embeddings(model, tokens, attention_mask, loss_mask, lam, chunk_size=hparams.logps_chunk_size,
+                              embedding_grad=hparams.embedding_grad)
     with jax.named_scope("ift_pass2"):
         logps = policy_token_logps(model, tokens, attention_mask, loss_mask, inputs_embeds=embeds,
                                    chunk_size=hparams.logps_chunk_size)

@@ -61,7 +61,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as out:
             args = DPOConfig(output_dir=out, per_device_train_batch_size=len(dataset), beta=0.1, loss_type=loss_type,
                              label_smoothing=smoothing, max_steps=1, report_to=[], use_cpu=True, save_strategy="no",
-                             logging_steps=1)
+                             logging_steps=1, bf16=False)  # f32 throughout (bf16 autocasts the reference)
             trainer = DPOTrainer(model=LlamaForCausalLM.from_pretrained(HERE / "trl_dpo_policy"),
                                  ref_model=LlamaForCausalLM.from_pretrained(HERE / "trl_dpo_reference"),
                                  args=args, train_dataset=dataset, processing_class=tok)
