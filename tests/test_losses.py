@@ -262,3 +262,24 @@ def test_mpo_fixed_point_has_zero_loss_and_gradient():
     assert all(float(jnp.abs(g).max()) == 0.0 for g in grads)
     with pytest.raises(ValueError, match="both"):
         losses.mpo(pc, pr, lc, lr, dominant, policy_hidden=hidden)
+
+
+@pytest.mark.parametrize("name", ["dpo", "simpo", "orpo", "mpo", "ift", "sft"])
+def test_jit_matches_eager(name):
+    pc, pr, rc, rr, lc, lr = random_pairs(3)
+    ell = np.abs(np.random.RandomState(3).randn(8, 6)).astype(np.float32)
+    mask = np.ones((8, 6), np.int32)
+    calls = {
+        "dpo": lambda: losses.dpo(pc, pr, rc, rr, beta=0.2, label_smoothing=0.1),
+        "simpo": lambda: losses.simpo(pc, pr, lc, lr),
+        "orpo": lambda: losses.orpo(pc, pr, lc, lr),
+        "mpo": lambda: losses.mpo(pc, pr, lc, lr, rc / lc - rr / lr, beta=1.5),
+        "ift": lambda: losses.ift(ell, mask),
+        "sft": lambda: losses.sft(-ell, mask),
+    }
+    eager_loss, eager_metrics = calls[name]()
+    jit_loss, jit_metrics = jax.jit(calls[name])()
+    np.testing.assert_allclose(jit_loss, eager_loss, rtol=1e-6)
+    assert eager_loss.dtype == jnp.float32 and eager_loss.shape == (8,)
+    for key in eager_metrics:
+        np.testing.assert_allclose(jit_metrics[key], eager_metrics[key], rtol=1e-6)

@@ -55,6 +55,8 @@ def mpo(target_chosen_logps: jax.Array, target_rejected_logps: jax.Array, target
         "reward_gap/target": jax.lax.stop_gradient(target_gap),
         "reward_gap/dominant": dominant_gap,
         "mpo/gap_loss": jax.lax.stop_gradient(gap_loss),
+        "len/chosen": chosen_len,
+        "len/rejected": rejected_len,
     }
     if policy_hidden is not None:
         diff = jnp.asarray(policy_hidden, jnp.float32) - jax.lax.stop_gradient(jnp.asarray(ref_hidden, jnp.float32))

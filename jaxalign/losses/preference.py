@@ -83,7 +83,7 @@ def simpo(chosen_logps: jax.Array, rejected_logps: jax.Array, chosen_len: jax.Ar
         loss = jax.nn.relu(1 - z)
     metrics = _reward_metrics(jax.lax.stop_gradient(beta * chosen_avg), jax.lax.stop_gradient(beta * rejected_avg),
                               jax.lax.stop_gradient(chosen_avg), jax.lax.stop_gradient(rejected_avg))
-    return loss, metrics
+    return loss, {**metrics, "len/chosen": chosen_len, "len/rejected": rejected_len}
 
 
 def log1mexp(x: jax.Array) -> jax.Array:
@@ -110,5 +110,6 @@ def orpo(chosen_logps: jax.Array, rejected_logps: jax.Array, chosen_len: jax.Arr
     metrics = _reward_metrics(jax.lax.stop_gradient(lam * chosen_avg), jax.lax.stop_gradient(lam * rejected_avg),
                               jax.lax.stop_gradient(chosen_avg), jax.lax.stop_gradient(rejected_avg))
     metrics.update({"nll_loss": jax.lax.stop_gradient(nll), "log_odds_ratio": jax.lax.stop_gradient(ratio),
-                    "log_odds_chosen": jax.lax.stop_gradient(log_odds)})
+                    "log_odds_chosen": jax.lax.stop_gradient(log_odds), "len/chosen": chosen_len,
+                    "len/rejected": rejected_len})
     return loss, metrics
