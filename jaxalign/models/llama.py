@@ -234,11 +234,11 @@ class LlamaForCausalLM(nnx.Module):
 
     def unembed(self, hidden: jax.Array) -> jax.Array:
         """Logits ``[B, T, V]`` from final (normed) hidden states."""
-        if self.config.tie_word_embeddings:
-            kernel = self.embed_tokens[...].astype(hidden.dtype).T
-        else:
-            kernel = self.lm_head[...].astype(hidden.dtype)
-        return constrain(hidden @ kernel, ("batch", "length", "vocab"))
+        return constrain(hidden @ self.head_kernel().astype(hidden.dtype), ("batch", "length", "vocab"))
+
+    def head_kernel(self) -> jax.Array:
+        """The unembedding ``[D, V]`` (the transposed embedding table when tied)."""
+        return self.embed_tokens[...].T if self.config.tie_word_embeddings else self.lm_head[...]
 
     def hidden_states(
         self,

@@ -58,13 +58,6 @@ def require(batch: Mapping[str, Any], *keys: str, objective: str) -> list[jax.Ar
     return [batch[k] for k in keys]
 
 
-def head_kernel(model) -> jax.Array:
-    """The model's unembedding ``[D, V]``."""
-    if model.config.tie_word_embeddings:
-        return model.embed_tokens[...].T
-    return model.lm_head[...]
-
-
 def policy_token_logps(model, tokens: jax.Array, attention_mask: jax.Array, loss_mask: jax.Array, *,
                        inputs_embeds: jax.Array | None = None, segment_ids: jax.Array | None = None,
                        chunk_size: int = 0, return_hidden: bool = False):
@@ -76,7 +69,7 @@ def policy_token_logps(model, tokens: jax.Array, attention_mask: jax.Array, loss
     hidden, _ = model.hidden_states(None if inputs_embeds is not None else tokens, attention_mask,
                                     inputs_embeds=inputs_embeds, segment_ids=segment_ids)
     if chunk_size > 0:
-        logps = token_logps_from_hidden(hidden, head_kernel(model), tokens, loss_mask, chunk_size=chunk_size)
+        logps = token_logps_from_hidden(hidden, model.head_kernel(), tokens, loss_mask, chunk_size=chunk_size)
     else:
         logps = token_logps(model.unembed(hidden), tokens, loss_mask)
     return (logps, hidden) if return_hidden else logps

@@ -17,7 +17,6 @@ from jaxalign import losses
 from jaxalign.objectives.common import (
     Metric,
     example_weights,
-    head_kernel,
     policy_token_logps,
     require,
     token_nll_metric,
@@ -89,7 +88,8 @@ def mixed_embeddings(model, tokens, attention_mask, loss_mask, lam, *, chunk_siz
         hidden, _ = model.hidden_states(tokens, attention_mask)
         hidden = jax.lax.stop_gradient(hidden)
         if chunk_size > 0:
-            greedy = losses.greedy_from_hidden(hidden, jax.lax.stop_gradient(head_kernel(model)), chunk_size=chunk_size)
+            kernel = jax.lax.stop_gradient(model.head_kernel())
+            greedy = losses.greedy_from_hidden(hidden, kernel, chunk_size=chunk_size)
         else:
             greedy = jnp.argmax(jax.lax.stop_gradient(model.unembed(hidden)), axis=-1)
     predicted = jnp.concatenate([tokens[:, :1], greedy[:, :-1].astype(tokens.dtype)], axis=1)
