@@ -7,7 +7,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("losses", "models", "objectives", "parallel", "sampling")
+_SUBPACKAGES = ("data", "losses", "models", "objectives", "parallel", "sampling")
 
 
 def __getattr__(name: str):

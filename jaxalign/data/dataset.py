@@ -1,0 +1,112 @@
+"""Loading, validating and tokenising whole data files up front, with precise errors or a skipped count."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from jaxalign.data import sater
+from jaxalign.data.schema import RecordError, detect_kind, validate_record
+from jaxalign.data.sources import read_records
+from jaxalign.data.tokenize import Tokenizer, tokenize_record
+
+# the example kind each objective trains on
+OBJECTIVE_KINDS = {"sft": "sft", "ift": "sft", "dpo": "preference", "simpo": "preference", "orpo": "preference",
+                   "mpo": "mpo"}
+ON_INVALID = ("error", "skip")
+
+
+class DataError(ValueError):
+    """Invalid records were found with ``on_invalid="error"``; the message lists them."""
+
+
+@dataclasses.dataclass
+class DataReport:
+    """What loading found: record counts, and the error message of every skipped record."""
+
+    source: str
+    total: int = 0
+    valid: int = 0
+    errors: list[str] = dataclasses.field(default_factory=list)
+    degenerate: int = 0  # SATER stage-I questions without a usable pair
+
+    @property
+    def skipped(self) -> int:
+        return len(self.errors)
+
+    def summary(self) -> str:
+        text = f"{self.source}: {self.valid} of {self.total} records usable"
+        if self.errors:
+            text += f", {self.skipped} invalid skipped"
+        if self.degenerate:
+            text += f", {self.degenerate} SATER questions without a correct and an incorrect sample"
+        return text
+
+
+def _as_kind(record: dict[str, Any], kind: str, tok: Tokenizer) -> dict[str, Any] | None:
+    """Converts SATER records to the kind the objective trains on (None: no usable pair)."""
+    if record["kind"] != "sater":
+        return record
+    if record["stage"] == 1 and kind == "preference":
+        return sater.stage1_pair(record, lambda text: len(tok.encode(text)))
+    if record["stage"] == 2 and kind == "sft":
+        return sater.stage2_example(record)
+    raise ValueError(f"SATER stage-{record['stage']} records cannot train a {kind} objective")
+
+
+def _requested_kind(raw: Any, kind: str) -> str | None:
+    """The kind to validate a raw record as: SFT objectives also take plain ``text`` (all tokens trained),
+    preference files (``chosen`` as the completion) and SATER stage-II records."""
+    detected = detect_kind(raw) if isinstance(raw, dict) else "unknown"
+    if kind == "sft" and detected in ("lm", "sater"):
+        return detected
+    if kind == "preference" and detected == "sater":
+        return "sater"
+    return kind
+
+
+def load_examples(path: str | os.PathLike, tok: Tokenizer, *, kind: str, on_invalid: str = "error",
+                  max_listed: int = 20) -> tuple[list[dict], DataReport]:
+    """Validates and tokenises every record of ``path`` for an objective needing ``kind`` examples.
+
+    ``on_invalid="error"`` reads the whole file, then raises ``DataError`` listing the first ``max_listed``
+    problems (file, record index, field) and their total; ``"skip"`` drops them and counts them in the report.
+    """
+    if on_invalid not in ON_INVALID:
+        raise ValueError(f"on_invalid={on_invalid!r}; expected one of {ON_INVALID}")
+    source = str(path)
+    report = DataReport(source)
+    examples = []
+    for index, raw in read_records(path):
+        report.total += 1
+        try:
+            if isinstance(raw, RecordError):
+                raise raw
+            record = validate_record(raw, source=source, index=index, kind=_requested_kind(raw, kind))
+            record = _as_kind(record, kind, tok)
+            if record is None:
+                report.degenerate += 1
+                continue
+            examples.append(tokenize_record(tok, record, source=source, index=index))
+        except RecordError as err:
+            report.errors.append(str(err))
+        except ValueError as err:
+            report.errors.append(str(RecordError(source, index, "<record>", str(err))))
+    report.valid = len(examples)
+    if report.errors and on_invalid == "error":
+        listed = "\n  ".join(report.errors[:max_listed])
+        more = f"\n  ... and {report.skipped - max_listed} more" if report.skipped > max_listed else ""
+        raise DataError(f"{report.skipped} invalid record(s) in {source} (set data.on_invalid='skip' to drop "
+                        f"them):\n  {listed}{more}")
+    if not examples:
+        raise DataError(f"{source}: no usable records ({report.summary()})")
+    return examples, report
+
+
+def load_sources(paths: Sequence[str | os.PathLike], tok: Tokenizer, *, kind: str, on_invalid: str = "error",
+                 ) -> tuple[list[list[dict]], list[DataReport]]:
+    """``load_examples`` for several files: one example list and one report per file."""
+    loaded = [load_examples(path, tok, kind=kind, on_invalid=on_invalid) for path in paths]
+    return [examples for examples, _ in loaded], [report for _, report in loaded]

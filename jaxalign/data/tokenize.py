@@ -1,0 +1,253 @@
+"""Tokenisation with the model's chat template and exact loss masks.
+
+A conversation is rendered with the tokenizer's chat template (transformers renders inside Jinja's
+``ImmutableSandboxedEnvironment``) turn by turn: the text up to each assistant turn (with the generation
+prompt) is the untrained prefix, the assistant's rendered content up to its end-of-turn token is trained, and
+trailing whitespace after it is not. Each piece is tokenised on its own, so the prompt/completion boundary is a
+token boundary — the completion tokens are exactly what the model emits after the generation prompt at inference.
+Every assistant turn of a multi-turn conversation is trained (as in the IFT code).
+
+BOS appears exactly once: the template's, or the tokenizer's own when the template has none; repeated leading
+BOS tokens are collapsed. Standard (non-chat) completions get EOS appended once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxalign.data.schema import RecordError
+
+TRUNCATIONS = ("keep_end", "keep_start")
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+ZEPHYR_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+NAMED_TEMPLATES = {"chatml": CHATML_TEMPLATE, "zephyr": ZEPHYR_TEMPLATE}
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizeConfig:
+    """``max_length`` bounds prompt + completion; ``max_prompt_length`` (0 = none) bounds the prompt, which is cut
+    by ``truncation`` (``keep_end``: keep the tokens nearest the completion, TRL's default; ``keep_start``).
+    Completions are cut from the end; one left empty is an error, never silent. ``chat_template`` overrides
+    the tokenizer's (a Jinja string or ``chatml`` / ``zephyr``)."""
+
+    max_length: int = 512
+    max_prompt_length: int = 0
+    truncation: str = "keep_end"
+    chat_template: str | None = None
+    add_eos: bool = True
+
+    def __post_init__(self):
+        if self.truncation not in TRUNCATIONS:
+            raise ValueError(f"truncation={self.truncation!r}; expected one of {TRUNCATIONS}")
+        if self.max_length < 2:
+            raise ValueError(f"max_length={self.max_length} must be at least 2")
+
+
+class Tokenizer:
+    """A transformers tokenizer plus the facts the masking needs (BOS policy, template)."""
+
+    def __init__(self, tokenizer, config: TokenizeConfig = TokenizeConfig()):
+        self.hf = tokenizer
+        self.config = config
+        template = config.chat_template
+        self.chat_template = NAMED_TEMPLATES.get(template, template) if template else tokenizer.chat_template
+        self.bos_id = tokenizer.bos_token_id
+        self.eos_id = tokenizer.eos_token_id
+        probe = tokenizer("a")["input_ids"]
+        self.adds_bos = self.bos_id is not None and bool(probe) and probe[0] == self.bos_id
+        space = tokenizer.decode(tokenizer("a", add_special_tokens=False)["input_ids"])
+        if space.startswith(" "):
+            raise ValueError("this tokenizer adds a prefix space to every text it encodes (SentencePiece 'legacy' "
+                             "mode), so prompt and completion cannot be tokenised apart; use a byte-level BPE "
+                             "tokenizer.json")
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def render(self, messages: Sequence[dict], *, generation_prompt: bool) -> str:
+        if self.chat_template is None:
+            raise ValueError("the tokenizer has no chat template; set data.chat_template ('chatml', 'zephyr' or a "
+                             "Jinja string) for conversational data")
+        return self.hf.apply_chat_template(list(messages), chat_template=self.chat_template, tokenize=False,
+                                           add_generation_prompt=generation_prompt)
+
+    def with_bos(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
+        """Exactly one leading BOS when the tokenizer uses one (template BOS kept, duplicates removed)."""
+        if self.bos_id is None:
+            return ids, mask
+        start = 0
+        while start < len(ids) and ids[start] == self.bos_id:
+            start += 1
+        if start == 0 and not self.adds_bos:
+            return ids, mask
+        return [self.bos_id, *ids[start:]], [0, *mask[start:]]
+
+
+def chat_segments(tok: Tokenizer, messages: Sequence[dict]) -> list[tuple[str, bool]]:
+    """``[(text, trained)]`` pieces of a rendered conversation; assistant turns trained up to their end token."""
+    segments: list[tuple[str, bool]] = []
+    done = ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tok.render(messages[:i], generation_prompt=True) if i else ""
+        full = tok.render(messages[: i + 1], generation_prompt=False)
+        if not before.startswith(done) or not full.startswith(before):
+            raise ValueError("the chat template is not prefix-stable (rendering a turn changes when later turns are "
+                             "added), so assistant tokens cannot be located; set data.chat_template")
+        body = full[len(before):]
+        trained = body.rstrip()
+        segments += [(before[len(done):], False), (trained, True), (body[len(trained):], False)]
+        done = full
+    rest = tok.render(messages, generation_prompt=False)
+    if not rest.startswith(done):
+        raise ValueError("the chat template is not prefix-stable; set data.chat_template")
+    segments.append((rest[len(done):], False))
+    return [(text, trained) for text, trained in segments if text]
+
+
+def encode_segments(tok: Tokenizer, segments: Sequence[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, trained in segments:
+        piece = tok.encode(text)
+        ids += piece
+        mask += [int(trained)] * len(piece)
+    return ids, mask
+
+
+def _truncate_prompt(tok: Tokenizer, prompt: list[int]) -> list[int]:
+    limit = tok.config.max_prompt_length
+    if not limit or len(prompt) <= limit:
+        return prompt
+    return prompt[-limit:] if tok.config.truncation == "keep_end" else prompt[:limit]
+
+
+class _Fail(Exception):
+    def __init__(self, field: str, message: str):
+        self.field, self.message = field, message
+
+
+def _join(tok: Tokenizer, prompt: list[int], completion: list[int], tail: list[int],
+          field: str) -> tuple[np.ndarray, np.ndarray]:
+    """prompt (untrained) + completion (trained) + tail (untrained), truncated to the limits."""
+    prompt = _truncate_prompt(tok, prompt)
+    prompt, prompt_mask = tok.with_bos(prompt, [0] * len(prompt))
+    if not completion:
+        raise _Fail(field, "the completion has no tokens")
+    room = tok.config.max_length - len(prompt)
+    if room <= 0:
+        raise _Fail(field, f"over-long: the prompt takes {len(prompt)} tokens, leaving no room for the completion "
+                           f"within max_length={tok.config.max_length} (set max_prompt_length to cut prompts)")
+    body = (completion + tail)[:room]
+    mask = ([1] * len(completion) + [0] * len(tail))[:room]
+    return np.asarray(prompt + body, np.int32), np.asarray(prompt_mask + mask, np.int8)
+
+
+def _append_eos(tok: Tokenizer, ids: list[int]) -> list[int]:
+    if tok.config.add_eos and tok.eos_id is not None and (not ids or ids[-1] != tok.eos_id):
+        return [*ids, tok.eos_id]
+    return ids
+
+
+def _prompt_and_completion(tok: Tokenizer, prompt, completion) -> tuple[list[int], list[int], list[int]]:
+    """Token ids of (prompt, trained completion, untrained tail) for string or conversational data."""
+    if isinstance(completion, str):
+        return tok.encode(prompt or ""), _append_eos(tok, tok.encode(completion)), []
+    prompt_text = tok.render(prompt, generation_prompt=True) if prompt else ""
+    full = tok.render([*(prompt or []), *completion], generation_prompt=False)
+    if not full.startswith(prompt_text):
+        raise ValueError("the chat template is not prefix-stable; set data.chat_template")
+    if len(completion) == 1:
+        body = full[len(prompt_text):]
+        trained = body.rstrip()
+        return tok.encode(prompt_text), tok.encode(trained), tok.encode(body[len(trained):])
+    # several completion turns (e.g. assistant, tool, assistant): mask by segment, prompt stays untrained
+    ids, mask = encode_segments(tok, chat_segments(tok, [*(prompt or []), *completion]))
+    n_prompt = len(tok.encode(prompt_text))
+    tail = len(mask) - (max(i for i, m in enumerate(mask) if m) + 1)
+    return ids[:n_prompt], ids[n_prompt:len(ids) - tail], ids[len(ids) - tail:]
+
+
+def _shared_prefix(a: Sequence, b: Sequence) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _pair(tok: Tokenizer, pair: dict[str, Any], prefix: str, field_prefix: str) -> dict[str, np.ndarray]:
+    """Chosen and rejected sequences sharing one prompt. Without a prompt, the shared prefix becomes it: in
+    token space for strings, in message space for conversations."""
+    chosen, rejected, prompt = pair["chosen"], pair["rejected"], pair.get("prompt")
+    if prompt is None and isinstance(chosen, str):
+        full_c, full_r = tok.encode(chosen), tok.encode(rejected)
+        shared = _shared_prefix(full_c, full_r)
+        if shared in (len(full_c), len(full_r)):
+            raise _Fail(f"{field_prefix}chosen", "one response is a prefix of the other: nothing left to compare")
+        sides = {"chosen": (full_c[:shared], _append_eos(tok, full_c[shared:]), []),
+                 "rejected": (full_r[:shared], _append_eos(tok, full_r[shared:]), [])}
+    else:
+        if prompt is None:
+            shared = _shared_prefix(chosen, rejected)
+            while shared and chosen[shared - 1]["role"] == "assistant":
+                shared -= 1
+            prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+            if not prompt:
+                raise _Fail(f"{field_prefix}prompt", "missing, and chosen and rejected share no turn to use as one")
+        sides = {"chosen": _prompt_and_completion(tok, prompt, chosen),
+                 "rejected": _prompt_and_completion(tok, prompt, rejected)}
+    out = {}
+    for side, (p, c, t) in sides.items():
+        tokens, mask = _join(tok, p, c, t, f"{field_prefix}{side}")
+        out[f"{prefix}{side}_tokens"], out[f"{prefix}{side}_loss_mask"] = tokens, mask
+    return out
+
+
+def tokenize_record(tok: Tokenizer, record: dict[str, Any], *, source: str = "<data>", index: int = 0,
+                    ) -> dict[str, np.ndarray]:
+    """Token arrays of one validated record (``schema.validate_record``).
+
+    ``lm``/``sft`` -> ``tokens``, ``loss_mask``; ``preference`` -> ``{chosen,rejected}_{tokens,loss_mask}``;
+    ``mpo`` -> the same with ``target_`` and ``dominant_`` prefixes. Raises ``RecordError`` for records that
+    cannot be trained on after truncation.
+    """
+    kind = record["kind"]
+    try:
+        if kind == "lm":
+            ids = _append_eos(tok, tok.encode(record["text"]))
+            ids, mask = tok.with_bos(ids, [1] * len(ids))
+            return {"tokens": np.asarray(ids[: tok.config.max_length], np.int32),
+                    "loss_mask": np.asarray(mask[: tok.config.max_length], np.int8)}
+        if kind == "sft" and "messages" in record:
+            ids, mask = encode_segments(tok, chat_segments(tok, record["messages"]))
+            ids, mask = tok.with_bos(ids, mask)
+            ids, mask = ids[: tok.config.max_length], mask[: tok.config.max_length]
+            if not any(mask[1:]):
+                raise _Fail("messages", f"no assistant token left within max_length={tok.config.max_length}")
+            return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, np.int8)}
+        if kind == "sft":
+            tokens, mask = _join(tok, *_prompt_and_completion(tok, record.get("prompt"), record["completion"]),
+                                 "completion")
+            return {"tokens": tokens, "loss_mask": mask}
+        if kind == "preference":
+            return _pair(tok, record, "", "")
+        if kind == "mpo":
+            return {**_pair(tok, record["target"], "target_", "target_"),
+                    **_pair(tok, record["dominant"], "dominant_", "source_")}
+    except _Fail as err:
+        raise RecordError(source, index, err.field, err.message) from None
+    except ValueError as err:
+        if isinstance(err, RecordError):
+            raise
+        raise RecordError(source, index, "<record>", str(err)) from None
+    raise RecordError(source, index, "<record>", f"records of kind {kind!r} are not tokenised directly")
