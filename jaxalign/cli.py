@@ -1,7 +1,8 @@
 """The ``jaxalign`` command line.
 
 Commands: ``generate`` (chat or plain completion from a local model), ``convert`` (GGUF -> Hugging Face
-folder), ``info`` (a model's config and size). Errors are one-line messages, never a JAX traceback.
+folder), ``info`` (a model's config and size), ``data inspect`` / ``data toy`` (look at tokenised training
+data; write toy data). Errors are one-line messages, never a JAX traceback.
 """
 
 from __future__ import annotations
@@ -124,6 +125,70 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _highlight(tokenizer, tokens, mask, color: bool) -> str:
+    """The decoded sequence with trained spans marked (green on a terminal, [[...]] otherwise)."""
+    start, end = ("\033[1;32m", "\033[0m") if color else ("[[", "]]")
+    pieces, run, trained = [], [], None
+    for token, flag in [*zip(tokens.tolist(), mask.tolist(), strict=True), (None, None)]:
+        if flag != trained and run:
+            text = tokenizer.decode(run)
+            pieces.append(f"{start}{text}{end}" if trained else text)
+            run = []
+        if token is not None:
+            run.append(token)
+        trained = flag
+    return "".join(pieces)
+
+
+def cmd_data_inspect(args) -> int:
+    import numpy as np
+
+    from jaxalign.data import OBJECTIVE_KINDS, TokenizeConfig, Tokenizer, load_examples
+    from jaxalign.data.batching import sequence_fields
+
+    if args.tokenizer == "toy":
+        from jaxalign.data.toy import toy_tokenizer
+
+        hf = toy_tokenizer()
+    else:
+        from jaxalign.models import load_pretrained
+
+        _, hf = load_pretrained(_model_path(args.tokenizer))
+        if hf is None:
+            raise FileNotFoundError(f"{args.tokenizer}: no tokenizer found")
+    tok = Tokenizer(hf, TokenizeConfig(max_length=args.max_length, max_prompt_length=args.max_prompt_length,
+                                       chat_template=args.chat_template))
+    kind = OBJECTIVE_KINDS[args.objective]
+    examples, report = load_examples(args.file, tok, kind=kind, on_invalid="skip")
+    color = sys.stdout.isatty()
+    for i, example in enumerate(examples[: args.n]):
+        print(f"--- example {i}")
+        for field in sequence_fields(kind):
+            stem = field.removesuffix("tokens")
+            label = f"[{stem.rstrip('_')}] " if stem else ""
+            print(label + _highlight(hf, example[field], example[f"{stem}loss_mask"], color))
+    lengths = np.array([len(e[f]) for e in examples for f in sequence_fields(kind)])
+    trained = np.array([int(e[f.removesuffix("tokens") + "loss_mask"].sum())
+                        for e in examples for f in sequence_fields(kind)])
+    print(f"--- {report.summary()}")
+    print(f"sequence length: min {lengths.min()}, mean {lengths.mean():.1f}, p95 {np.percentile(lengths, 95):.0f}, "
+          f"max {lengths.max()} (max_length {args.max_length}); trained tokens per sequence: mean {trained.mean():.1f}")
+    for error in report.errors[: args.n_errors]:
+        print(f"invalid: {error}")
+    if report.skipped > args.n_errors:
+        print(f"... and {report.skipped - args.n_errors} more invalid records")
+    return 0
+
+
+def cmd_data_toy(args) -> int:
+    from jaxalign.data.toy import GENERATORS, write_jsonl
+
+    kwargs = {"style": args.style} if args.kind == "arithmetic" else {}
+    path = write_jsonl(GENERATORS[args.kind](args.n, args.seed, **kwargs), args.out)
+    print(f"wrote {args.n} {args.kind} records to {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxalign", description="Align language models with JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -153,6 +218,29 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="print a model's config and parameter count")
     info.add_argument("--model", help="Hugging Face model folder or .gguf file (default: bundled SmolLM2)")
     info.set_defaults(func=cmd_info)
+
+    data = commands.add_parser("data", help="inspect training data, write toy data")
+    data_commands = data.add_subparsers(dest="data_command", required=True)
+    inspect = data_commands.add_parser("inspect", help="show tokenised examples with the trained tokens marked",
+                                       description="Validates and tokenises FILE as the given objective would, "
+                                                   "prints a few examples decoded back to text with the trained "
+                                                   "tokens highlighted, length statistics and invalid records.")
+    inspect.add_argument("file", help="JSONL / JSON / Parquet file or saved datasets folder")
+    inspect.add_argument("--tokenizer", default="toy", help="model folder or .gguf whose tokenizer to use, or 'toy'")
+    inspect.add_argument("--objective", default="sft", choices=["sft", "ift", "dpo", "simpo", "orpo", "mpo"])
+    inspect.add_argument("--max-length", type=int, default=512)
+    inspect.add_argument("--max-prompt-length", type=int, default=0)
+    inspect.add_argument("--chat-template", help="override: 'chatml', 'zephyr' or a Jinja string")
+    inspect.add_argument("-n", type=int, default=3, help="examples to show")
+    inspect.add_argument("--n-errors", type=int, default=10, help="invalid records to list")
+    inspect.set_defaults(func=cmd_data_inspect)
+    toy = data_commands.add_parser("toy", help="write deterministic toy data (JSONL)")
+    toy.add_argument("kind", choices=["arithmetic", "preferences", "mpo", "multitask"])
+    toy.add_argument("--out", required=True)
+    toy.add_argument("--n", type=int, default=1000)
+    toy.add_argument("--seed", type=int, default=0)
+    toy.add_argument("--style", default="short", choices=["short", "verbose", "mixed"])
+    toy.set_defaults(func=cmd_data_toy)
     return parser
 
 
@@ -163,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (CheckpointError, FileNotFoundError, ValueError) as err:
-        print(f"jaxalign {args.command}: error: {err}", file=sys.stderr)
+        command = " ".join(filter(None, (args.command, getattr(args, "data_command", None))))
+        print(f"jaxalign {command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -54,3 +54,17 @@ def test_convert_and_info(tiny_folder, tmp_path, capsys):
     assert main(["info", "--model", str(tmp_path / "out")]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["num_params"] == config.num_params() and info["vocab_size"] == config.vocab_size
+
+
+def test_data_toy_and_inspect(tmp_path, capsys):
+    path = tmp_path / "arith.jsonl"
+    assert main(["data", "toy", "arithmetic", "--out", str(path), "--n", "20", "--style", "verbose"]) == 0
+    assert main(["data", "inspect", str(path), "-n", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "[[" in out and "The answer is" in out and "20 of 20 records usable" in out
+    with path.open("a") as handle:
+        handle.write('{"messages": [{"role": "user", "content": "no answer"}]}\n')
+    assert main(["data", "inspect", str(path), "-n", "0"]) == 0
+    assert "record 20, field 'messages': has no assistant turn" in capsys.readouterr().out
+    assert main(["data", "inspect", str(path), "--objective", "dpo"]) == 2
+    assert "field 'chosen': missing" in capsys.readouterr().err

@@ -95,13 +95,14 @@ def load_examples(path: str | os.PathLike, tok: Tokenizer, *, kind: str, on_inva
         except ValueError as err:
             report.errors.append(str(RecordError(source, index, "<record>", str(err))))
     report.valid = len(examples)
+    listed = "\n  ".join(report.errors[:max_listed])
+    if report.skipped > max_listed:
+        listed += f"\n  ... and {report.skipped - max_listed} more"
     if report.errors and on_invalid == "error":
-        listed = "\n  ".join(report.errors[:max_listed])
-        more = f"\n  ... and {report.skipped - max_listed} more" if report.skipped > max_listed else ""
         raise DataError(f"{report.skipped} invalid record(s) in {source} (set data.on_invalid='skip' to drop "
-                        f"them):\n  {listed}{more}")
+                        f"them):\n  {listed}")
     if not examples:
-        raise DataError(f"{source}: no usable records ({report.summary()})")
+        raise DataError(f"{source}: no usable records ({report.summary()})" + (f":\n  {listed}" if listed else ""))
     return examples, report
 
 

@@ -1,0 +1,127 @@
+"""Tokenisation: trained tokens decode back to exactly the assistant texts, BOS once, clean boundaries."""
+
+import numpy as np
+import pytest
+from chat_tokenizers import FAMILIES, make_tokenizer
+
+from jaxalign.data import RecordError, TokenizeConfig, Tokenizer, tokenize_record, validate_record
+
+FAMILY_NAMES = list(FAMILIES)
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "The answer is 5."},
+    {"role": "user", "content": "Tell me a joke about JAX."},
+    {"role": "assistant", "content": "Sure! Compile once, run everywhere."},
+]
+
+
+@pytest.fixture(scope="module", params=FAMILY_NAMES)
+def family(request):
+    return request.param, make_tokenizer(request.param)
+
+
+def trained_spans(tokens, mask):
+    """Runs of consecutive trained tokens."""
+    spans, current = [], []
+    for token, trained in zip(tokens, mask, strict=True):
+        if trained:
+            current.append(int(token))
+        elif current:
+            spans.append(current)
+            current = []
+    return [*spans, current] if current else spans
+
+
+def tokenize(hf, record, **config):
+    tok = Tokenizer(hf, TokenizeConfig(**{"max_length": 256, **config}))
+    return tokenize_record(tok, validate_record(record, source="mem", index=0), source="mem", index=0)
+
+
+def bos_count(hf, tokens):
+    return int(np.sum(np.asarray(tokens) == hf.bos_token_id)) if hf.bos_token_id is not None else 0
+
+
+def test_multi_turn_messages_decode_back(family):
+    name, hf = family
+    out = tokenize(hf, {"messages": CONVERSATION})
+    spans = trained_spans(out["tokens"], out["loss_mask"])
+    assert [hf.decode(span) for span in spans] == [m["content"] + hf.eos_token for m in CONVERSATION
+                                                   if m["role"] == "assistant"]
+    # the whole sequence is the rendered conversation (with the tokenizer's BOS when the template has none),
+    # and BOS appears once where the family has one
+    rendered = hf.apply_chat_template(CONVERSATION, tokenize=False)
+    if FAMILIES[name]["adds_bos"] and not rendered.startswith(hf.bos_token):
+        rendered = hf.bos_token + rendered
+    assert hf.decode(out["tokens"]) == rendered
+    assert bos_count(hf, out["tokens"]) == (1 if FAMILIES[name]["bos"] else 0)
+    if FAMILIES[name]["bos"]:
+        assert out["tokens"][0] == hf.bos_token_id
+
+
+def test_preference_shares_the_prompt_and_masks_only_the_answer(family):
+    name, hf = family
+    record = {"prompt": CONVERSATION[:2], "chosen": [{"role": "assistant", "content": "The answer is 5."}],
+              "rejected": [{"role": "assistant", "content": "Sure! It is 6."}]}
+    out = tokenize(hf, record)
+    prompt_len = int(np.argmax(out["chosen_loss_mask"]))
+    assert prompt_len == int(np.argmax(out["rejected_loss_mask"]))
+    np.testing.assert_array_equal(out["chosen_tokens"][:prompt_len], out["rejected_tokens"][:prompt_len])
+    prompt_text = hf.apply_chat_template(CONVERSATION[:2], tokenize=False, add_generation_prompt=True)
+    if FAMILIES[name]["adds_bos"] and not prompt_text.startswith(hf.bos_token):
+        prompt_text = hf.bos_token + prompt_text
+    assert hf.decode(out["chosen_tokens"][:prompt_len]) == prompt_text
+    for side, text in (("chosen", "The answer is 5."), ("rejected", "Sure! It is 6.")):
+        spans = trained_spans(out[f"{side}_tokens"], out[f"{side}_loss_mask"])
+        assert len(spans) == 1 and hf.decode(spans[0]) == text + hf.eos_token
+        assert bos_count(hf, out[f"{side}_tokens"]) == (1 if FAMILIES[name]["bos"] else 0)
+
+
+def test_standard_format_adds_bos_and_eos_once(family):
+    name, hf = family
+    out = tokenize(hf, {"prompt": "What is 2 + 3?", "completion": " The answer is 5."})
+    spans = trained_spans(out["tokens"], out["loss_mask"])
+    assert [hf.decode(s) for s in spans] == [" The answer is 5." + hf.eos_token]
+    assert int(np.sum(out["tokens"] == hf.eos_token_id)) == 1
+    assert bos_count(hf, out["tokens"]) == (1 if FAMILIES[name]["adds_bos"] else 0)
+    # a completion that already ends with EOS does not get a second one
+    again = tokenize(hf, {"prompt": "What is 2 + 3?", "completion": " The answer is 5." + hf.eos_token})
+    np.testing.assert_array_equal(again["tokens"], out["tokens"])
+
+
+def test_implicit_prompt_is_the_shared_token_prefix(family):
+    _, hf = family
+    out = tokenize(hf, {"chosen": "What is 2 + 3? The answer is 5.", "rejected": "What is 2 + 3? The answer is 6."})
+    chosen_prompt = out["chosen_tokens"][out["chosen_loss_mask"] == 0]
+    rejected_prompt = out["rejected_tokens"][out["rejected_loss_mask"] == 0]
+    np.testing.assert_array_equal(chosen_prompt, rejected_prompt)
+    assert hf.decode(out["chosen_tokens"][out["chosen_loss_mask"] == 1]).endswith("5." + hf.eos_token)
+    conversational = tokenize(hf, {"chosen": CONVERSATION[:3],
+                                   "rejected": [*CONVERSATION[:2], {"role": "assistant", "content": "Six."}]})
+    spans = trained_spans(conversational["rejected_tokens"], conversational["rejected_loss_mask"])
+    assert [hf.decode(s) for s in spans] == ["Six." + hf.eos_token]
+
+
+def test_truncation_policies():
+    hf = make_tokenizer("qwen2")
+    record = {"prompt": "What is 2 + 3? " * 6, "completion": "The answer is 5. " * 6}
+    full = tokenize(hf, record)
+    n_prompt = int(np.argmax(full["loss_mask"]))
+    keep_end = tokenize(hf, record, max_prompt_length=8, truncation="keep_end")
+    keep_start = tokenize(hf, record, max_prompt_length=8, truncation="keep_start")
+    np.testing.assert_array_equal(keep_end["tokens"][:8], full["tokens"][n_prompt - 8:n_prompt])
+    np.testing.assert_array_equal(keep_start["tokens"][:8], full["tokens"][:8])
+    short = tokenize(hf, record, max_length=n_prompt + 3)
+    assert len(short["tokens"]) == n_prompt + 3 and short["loss_mask"].sum() == 3
+    with pytest.raises(RecordError, match=r"mem, record 0, field 'completion': over-long: the prompt takes"):
+        tokenize(hf, record, max_length=n_prompt)
+
+
+def test_sentencepiece_style_prefix_space_is_refused():
+    from tokenizers import normalizers
+
+    hf = make_tokenizer("qwen2")
+    backend = hf.backend_tokenizer
+    backend.normalizer = normalizers.Prepend(" ")
+    with pytest.raises(ValueError, match="prefix space"):
+        Tokenizer(hf)
