@@ -1,6 +1,7 @@
 """The ``jaxalign`` command line.
 
-Commands: ``generate`` (chat or plain completion from a local model), ``convert`` (GGUF -> Hugging Face
+Commands: ``train`` (the main job), ``export`` (a run's checkpoint -> Hugging Face folder), ``eval``,
+``generate`` (chat or plain completion from a local model), ``convert`` (GGUF -> Hugging Face
 folder), ``info`` (a model's config and size), ``data inspect`` / ``data toy`` (look at tokenised training
 data; write toy data). Errors are one-line messages, never a JAX traceback.
 """
@@ -189,9 +190,74 @@ def cmd_data_toy(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from jaxalign.train import load_config, train
+
+    config = load_config(args.config, args.overrides)
+    summary = train(config)
+    if summary.get("stopped"):
+        return 0
+    print("\n=== jaxalign train: done ===")
+    initial, final = summary.get("initial_eval") or {}, summary.get("final_eval") or {}
+    if "accuracy" in final:
+        print(f"held-out exact-match accuracy: {100 * initial.get('accuracy', float('nan')):.1f}% at step 0 -> "
+              f"{100 * final['accuracy']:.1f}% at step {summary['step']}")
+    if "loss" in final:
+        print(f"eval loss: {initial.get('loss', float('nan')):.4f} -> {final['loss']:.4f}")
+    for label, key in (("metrics (JSONL)", "metrics"), ("curves (PNG)", "plot"), ("TensorBoard", "tensorboard"),
+                       ("checkpoints", "checkpoints")):
+        if summary.get(key):
+            print(f"{label:16s} {summary[key]}")
+    print(f"{'export':16s} jaxalign export --checkpoint {summary['workdir']} --out {summary['workdir']}/hf")
+    print(f"took {summary['seconds']:.0f}s; {summary['skipped_updates']} updates skipped by the NaN guard")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from jaxalign.train.export import export
+
+    out = export(args.checkpoint, args.out)
+    print(f"wrote {out} (config.json, safetensors, tokenizer); load it with "
+          "transformers.AutoModelForCausalLM.from_pretrained or jaxalign.models.load_hf")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from jaxalign.data.sources import read_records
+    from jaxalign.train.evaluate import exact_match
+    from jaxalign.train.export import restore_model
+
+    model, tokenizer, step = restore_model(args.checkpoint)
+    records = [r for _, r in read_records(args.data) if isinstance(r, dict)][: args.n]
+    accuracy = exact_match(model, tokenizer, records, max_new_tokens=args.max_new_tokens)
+    print(json.dumps({"checkpoint_step": step, "records": len(records), "exact_match": accuracy}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxalign", description="Align language models with JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    tr = commands.add_parser("train", help="train a model (default: a tiny Llama on toy arithmetic with IFT)",
+                             description="Train with a config file; any field can be overridden with "
+                                         "--config.FIELD=VALUE (e.g. --config.optim.lr=1e-5). Bundled configs: "
+                                         "default, sft, ift, dpo, simpo, orpo, mpo; add :PRESET for a model preset "
+                                         "(tiny, smollm2, llama3_8b, qwen25_7b), e.g. --config dpo:smollm2. "
+                                         "Interrupting (SIGTERM / Ctrl-C) saves a checkpoint; rerunning resumes.")
+    tr.add_argument("--config", default="default", help="config name or .py path, optionally :PRESET")
+    tr.set_defaults(func=cmd_train)
+
+    ex = commands.add_parser("export", help="write a run's checkpoint as a Hugging Face folder")
+    ex.add_argument("--checkpoint", required=True, help="run folder (latest checkpoint) or checkpoints/STEP")
+    ex.add_argument("--out", required=True, help="output folder")
+    ex.set_defaults(func=cmd_export)
+
+    ev = commands.add_parser("eval", help="exact-match accuracy of a run's checkpoint on records with 'answer'")
+    ev.add_argument("--checkpoint", required=True)
+    ev.add_argument("--data", required=True, help="JSONL/JSON/Parquet with prompts and an 'answer' field")
+    ev.add_argument("--n", type=int, default=500)
+    ev.add_argument("--max-new-tokens", type=int, default=16)
+    ev.set_defaults(func=cmd_eval)
 
     gen = commands.add_parser("generate", help="generate from a local model (HF folder or .gguf)",
                               description="Generate text with a KV-cache decoder. Without --model, uses the "
@@ -245,7 +311,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv[:1] == ["train"]:
+        args, rest = parser.parse_known_args(argv)
+        unknown = [a for a in rest if not a.startswith("--config.")]
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)} (overrides look like --config.FIELD=VALUE)")
+        args.overrides = rest
+    else:
+        args = parser.parse_args(argv)
     from jaxalign.models import CheckpointError
 
     try:

@@ -54,7 +54,8 @@ def max_sequence_length(examples: Sequence[dict], kind: str) -> int:
 
 def pad_batch(examples: Sequence[dict], kind: str, length: int, pad_id: int) -> dict[str, np.ndarray]:
     """Right-padded ``[B, length]`` arrays: for each sequence field its tokens, ``attention_mask`` and
-    ``loss_mask`` (named ``tokens``/``attention_mask``/``loss_mask`` or ``{prefix}{side}_...``)."""
+    ``loss_mask`` (named ``tokens``/``attention_mask``/``loss_mask`` or ``{prefix}{side}_...``); per-example
+    ``ref_*`` values (precomputed reference log-probs) are stacked."""
     batch = {}
     for field in sequence_fields(kind):
         stem = field.removesuffix("tokens")
@@ -62,6 +63,9 @@ def pad_batch(examples: Sequence[dict], kind: str, length: int, pad_id: int) -> 
         batch[field] = _pad(tokens, length, pad_id, np.int32)
         batch[f"{stem}attention_mask"] = _pad([np.ones(len(t), np.int32) for t in tokens], length, 0, np.int32)
         batch[f"{stem}loss_mask"] = _pad([example[f"{stem}loss_mask"] for example in examples], length, 0, np.int32)
+    for field in examples[0]:
+        if field.startswith("ref_"):  # precomputed reference quantities ride along, one value per example
+            batch[field] = np.stack([example[field] for example in examples])
     return batch
 
 

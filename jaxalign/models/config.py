@@ -62,6 +62,7 @@ class LlamaConfig:
     sliding_window_layers: tuple[bool, ...] = ()
     architecture: str = "llama"
     attention_impl: str = "xla"
+    remat: bool = False
     dtype: str = "float32"
     param_dtype: str = "float32"
     bos_token_id: int | None = None

@@ -211,6 +211,13 @@ def _attention_mask(q_slots, k_slots, k_valid, q_segments, k_segments, window: i
     return mask
 
 
+def _call_layer(layer, *args):
+    return layer(*args)
+
+
+_remat_layer = nnx.remat(_call_layer)
+
+
 class LlamaForCausalLM(nnx.Module):
     """The decoder with its LM head.
 
@@ -276,6 +283,7 @@ class LlamaForCausalLM(nnx.Module):
 
         cos, sin = rotary_tables(self.config, positions)
         x = constrain(x, ("batch", "length", "act_embed"))
+        run_layer = _remat_layer if self.config.remat and cache is None else _call_layer
         masks: dict[int, jax.Array] = {}
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
@@ -283,7 +291,7 @@ class LlamaForCausalLM(nnx.Module):
             if window not in masks:
                 masks[window] = _attention_mask(slots, k_slots, k_valid, segment_ids, k_segments, window)
             cache_kv = None if cache is None else (cache.keys[i], cache.values[i])
-            x, new_kv = layer(x, cos, sin, masks[window], cache_kv, None if cache is None else cache.index)
+            x, new_kv = run_layer(layer, x, cos, sin, masks[window], cache_kv, None if cache is None else cache.index)
             if new_kv is not None:
                 new_keys.append(new_kv[0])
                 new_values.append(new_kv[1])

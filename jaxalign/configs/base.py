@@ -1,0 +1,47 @@
+"""The full set of fields every training config has, with their defaults (big_vision style: values only).
+
+Other config files start from ``base.get_config()`` and change what differs.
+"""
+
+import ml_collections
+
+
+def get_config(arg=None):
+    config = ml_collections.ConfigDict()
+    config.seed = 0
+    config.workdir = "runs/default"  # metrics, checkpoints, plots, exported model
+
+    # The policy: a Hugging Face folder or .gguf file (`path`), or a randomly initialised `preset` of model.shape.
+    config.model = ml_collections.ConfigDict(dict(
+        path="", preset="tiny", dtype="float32", param_dtype="float32", attention_impl="xla", remat=False))
+    config.model.shape = ml_collections.ConfigDict(dict(
+        vocab_size=320, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2))
+    config.tokenizer = ""  # "" = the model's own; "toy" = the built-in byte-level ChatML tokenizer
+
+    # Training data: local files, or toy generators written to <workdir>/data ("toy:arithmetic", "toy:preferences",
+    # "toy:mpo", "toy:multitask"). `eval` is held-out data of the same kind ("" = none).
+    config.data = ml_collections.ConfigDict(dict(
+        train="toy:arithmetic", eval="toy:arithmetic", weights="", toy_size=4000, toy_eval_size=200,
+        toy_style="short", max_length=64, max_prompt_length=0, truncation="keep_end", chat_template="",
+        on_invalid="error", packing=False, row_length=0, max_pairs_per_row=8, shuffle=True))
+
+    config.objective = ml_collections.ConfigDict(dict(name="sft"))
+    config.objective.params = ml_collections.ConfigDict()
+
+    # The frozen reference of DPO and MPO: "model" = the initial policy held once; "precomputed" = its log-probs
+    # computed before training and cached on disk under a content hash.
+    config.reference = ml_collections.ConfigDict(dict(kind="model", cache_dir=""))
+
+    config.optim = ml_collections.ConfigDict(dict(
+        name="adamw", lr=3e-3, schedule="cosine", warmup_steps=50, min_lr_ratio=0.1, weight_decay=0.0, b1=0.9,
+        b2=0.95, eps=1e-8, rmsprop_decay=0.9, clip_norm=1.0))
+
+    config.train = ml_collections.ConfigDict(dict(
+        steps=600, batch_size=32, grad_accum=1, log_every=25, eval_every=200, save_every=200, keep_checkpoints=2,
+        nan_guard=True, resume=True))
+    config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+
+    config.eval = ml_collections.ConfigDict(dict(batches=4, generate=200, max_new_tokens=8))
+    config.logging = ml_collections.ConfigDict(dict(tensorboard=True, wandb=False, wandb_project="jaxalign",
+                                                    plot=True, progress=True))
+    return config

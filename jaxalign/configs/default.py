@@ -1,0 +1,20 @@
+"""What `jaxalign train` runs with no flags: a tiny Llama learns toy arithmetic with IFT.
+
+λ warms up linearly from 0 (plain SFT with propagation weights) to 0.2, so the temporal-residual mixing starts
+once the model's own guesses mean something; held-out exact-match accuracy is printed before and after.
+"""
+
+from jaxalign.configs import base, presets
+
+
+def get_config(arg=None):
+    config = base.get_config()
+    config.workdir = "runs/default"
+    config.tokenizer = "toy"
+    config.objective.name = "ift"
+    config.objective.params.max_lambda = 0.2
+    config.objective.params.min_lambda = 0.0
+    config.objective.params.lambda_schedule = "linear"
+    config.objective.params.warmup_steps = 300
+    config.objective.params.gamma = 0.95
+    return presets.apply(config, arg)

@@ -1,0 +1,153 @@
+"""Loading a config file, applying ``--config.a.b=value`` overrides, and validating the whole config once.
+
+``--config`` takes a file path or the name of a bundled config (``jaxalign/configs/NAME.py``), optionally
+followed by ``:ARG`` for its ``get_config(arg)`` (model presets: ``dpo:smollm2``).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import ml_collections
+
+from jaxalign.data.dataset import OBJECTIVE_KINDS
+from jaxalign.objectives import OBJECTIVES, make_params
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the field and the fix."""
+
+
+def load_config(spec: str = "default", overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
+    """``spec`` = ``PATH_OR_NAME[:ARG]``; ``overrides`` = ``["--config.optim.lr=1e-5", ...]`` (or without
+    the leading ``--config.``)."""
+    location, _, arg = spec.partition(":")
+    path = Path(location)
+    if not path.suffix:
+        path = CONFIG_DIR / f"{location}.py"
+    if not path.exists():
+        bundled = sorted(p.stem for p in CONFIG_DIR.glob("*.py") if p.stem not in ("__init__", "base", "presets"))
+        raise ConfigError(f"config {location!r} not found (a .py file, or one of: {', '.join(bundled)})")
+    module_spec = importlib.util.spec_from_file_location(f"jaxalign_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"{path} has no get_config() function")
+    config = module.get_config(arg or None)
+    for override in overrides:
+        apply_override(config, override)
+    return config
+
+
+def _parse_value(text: str, current):
+    """``text`` as the type of the field's current value (strings stay strings)."""
+    if isinstance(current, str):
+        return text
+    if isinstance(current, bool):
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise ValueError(f"expected true or false, got {text!r}")
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        if current is None:
+            return text
+        raise ValueError(f"expected a {type(current).__name__}, got {text!r}") from None
+    if isinstance(current, float) and isinstance(value, int):
+        return float(value)
+    if current is not None and not isinstance(value, type(current)):
+        raise ValueError(f"expected a {type(current).__name__}, got {text!r}")
+    return value
+
+
+def apply_override(config: ml_collections.ConfigDict, override: str) -> None:
+    """Sets one ``[--config.]a.b.c=value``; new keys are allowed only inside ``objective.params``."""
+    text = override.removeprefix("--").removeprefix("config.")
+    if "=" not in text:
+        raise ConfigError(f"override {override!r}: expected --config.FIELD=VALUE")
+    key, value = text.split("=", 1)
+    *parents, leaf = key.split(".")
+    node = config
+    for i, part in enumerate(parents):
+        if part not in node:
+            raise ConfigError(f"override {override!r}: no field {'.'.join(parents[: i + 1])!r} in the config")
+        node = node[part]
+    is_params = parents == ["objective", "params"]
+    if leaf not in node and not is_params:
+        siblings = ", ".join(sorted(node.keys()))
+        raise ConfigError(f"override {override!r}: no field {key!r} (fields here: {siblings})")
+    try:
+        parsed = _parse_value(value, node.get(leaf))
+    except ValueError as err:
+        raise ConfigError(f"override {override!r}: {err}") from None
+    if is_params and leaf not in node:
+        with node.unlocked():
+            node[leaf] = parsed
+    else:
+        node[leaf] = parsed
+
+
+def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
+    """Checks the whole config; raises ``ConfigError`` naming the field and the fix."""
+    num_devices = jax.device_count() if num_devices is None else num_devices
+    problems: list[str] = []
+    name = config.objective.name
+    if name not in OBJECTIVES:
+        problems.append(f"objective.name={name!r} is unknown; choose one of {', '.join(OBJECTIVES)}")
+    else:
+        try:
+            make_params(name, config.objective.params.to_dict())
+        except ValueError as err:
+            problems.append(f"objective.params: {err}")
+        if OBJECTIVES[name].uses_reference and config.reference.kind not in ("model", "precomputed"):
+            problems.append(f"reference.kind={config.reference.kind!r}: {name} needs a reference; use 'model' or "
+                            "'precomputed' (or objective.params.reference_free=True for DPO)")
+    mesh = dict(config.mesh)
+    sizes = list(mesh.values())
+    if sum(s == -1 for s in sizes) > 1 or any(s == 0 or s < -1 for s in sizes):
+        problems.append(f"mesh={mesh}: sizes must be positive, with at most one -1 (fill)")
+    else:
+        fixed = math.prod(s for s in sizes if s != -1)
+        if num_devices % fixed or (-1 not in sizes and fixed != num_devices):
+            problems.append(f"mesh={mesh} needs {fixed} devices but {num_devices} are available; set one axis to -1")
+        else:
+            data_parallel = (num_devices // fixed if mesh.get("data") == -1 else mesh.get("data", 1)) * (
+                num_devices // fixed if mesh.get("fsdp") == -1 else mesh.get("fsdp", 1))
+            rows = config.train.batch_size // max(config.train.grad_accum, 1)
+            if rows % data_parallel:
+                problems.append(f"train.batch_size / train.grad_accum = {rows} rows per micro-batch is not divisible "
+                                f"by the {data_parallel} data-parallel shards (mesh data x fsdp); change "
+                                "train.batch_size or the mesh")
+    if config.train.grad_accum < 1 or config.train.batch_size % config.train.grad_accum:
+        problems.append(f"train.batch_size={config.train.batch_size} must be a multiple of "
+                        f"train.grad_accum={config.train.grad_accum} (>= 1)")
+    if config.train.steps < 1:
+        problems.append(f"train.steps={config.train.steps} must be >= 1")
+    if config.optim.name not in ("adamw", "rmsprop", "sgd"):
+        problems.append(f"optim.name={config.optim.name!r}; choose adamw, rmsprop or sgd")
+    if config.optim.schedule not in ("constant", "linear", "cosine"):
+        problems.append(f"optim.schedule={config.optim.schedule!r}; choose constant, linear or cosine")
+    if config.data.on_invalid not in ("error", "skip"):
+        problems.append(f"data.on_invalid={config.data.on_invalid!r}; choose 'error' or 'skip'")
+    if config.data.packing and config.data.row_length < config.data.max_length:
+        problems.append(f"data.packing needs data.row_length >= data.max_length ({config.data.max_length})")
+    if config.data.packing and name in OBJECTIVE_KINDS and OBJECTIVE_KINDS[name] != "sft":
+        problems.append(f"data.packing is supported for sft/ift training, not {name} (packed preference training "
+                        "is a data-side feature for now)")
+    if not config.model.path and config.model.preset != "tiny":
+        problems.append("model.path is empty: set it to a Hugging Face folder or .gguf file")
+    if not config.model.path and not config.tokenizer:
+        problems.append("a randomly initialised model needs tokenizer='toy' or a tokenizer folder")
+    if config.model.path and not Path(config.model.path).exists():
+        problems.append(f"model.path={config.model.path!r} does not exist")
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))

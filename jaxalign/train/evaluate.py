@@ -1,0 +1,73 @@
+"""Evaluation: the objective's loss and metrics on held-out batches, and exact-match accuracy of greedy answers
+for records that carry an ``answer`` (the toy tasks)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxalign.sampling import generate
+
+_NUMBER = re.compile(r"-?\d+")
+
+
+def extract_answer(text: str) -> str:
+    """The last integer in ``text`` (toy answers are numbers, short or inside a sentence), else the stripped text."""
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else text.strip()
+
+
+def prompt_of(record: dict):
+    """The chat prompt of a raw toy/eval record (messages minus the final answer), or None."""
+    if "messages" in record:
+        return record["messages"][:-1]
+    if "prompt" in record:
+        return record["prompt"]
+    if "target_conversations" in record:
+        return [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]}
+                for t in record["target_conversations"]]
+    return None
+
+
+def exact_match(model, tokenizer, records: list[dict], *, max_new_tokens: int = 8, batch_size: int = 64) -> float:
+    """Share of ``records`` whose greedy answer's last integer equals ``record["answer"]``."""
+    usable = [(prompt_of(r), str(r["answer"])) for r in records if "answer" in r and prompt_of(r) is not None]
+    if not usable:
+        return float("nan")
+    prompts = [tokenizer.apply_chat_template(p if isinstance(p, list) else [{"role": "user", "content": p}],
+                                             add_generation_prompt=True, tokenize=True)["input_ids"]
+               for p, _ in usable]
+    width = max(len(p) for p in prompts)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    correct = 0
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        chunk = chunk + [chunk[-1]] * (batch_size - len(chunk))  # fixed shape: one compilation
+        tokens = np.full((batch_size, width), pad, np.int32)
+        mask = np.zeros((batch_size, width), np.int32)
+        for row, ids in enumerate(chunk):
+            tokens[row, width - len(ids):] = ids
+            mask[row, width - len(ids):] = 1
+        out = np.asarray(generate(model, tokens, prompt_mask=mask, max_new_tokens=max_new_tokens,
+                                  eos_id=tokenizer.eos_token_id, pad_id=pad))
+        for row in range(min(batch_size, len(prompts) - start)):
+            answer = usable[start + row][1]
+            text = tokenizer.decode(out[row], skip_special_tokens=True)
+            correct += extract_answer(text) == answer
+    return correct / len(usable)
+
+
+def make_eval_step(graphdef, objective, hparams):
+    @jax.jit
+    def eval_step(params, batch, reference_params=None):
+        model = nnx.merge(graphdef, params)
+        reference = nnx.merge(graphdef, reference_params) if reference_params is not None else None
+        _, metrics = objective(model, batch, hparams, reference=reference, step=jnp.zeros((), jnp.int32),
+                               rng=jax.random.key(0))
+        return metrics
+
+    return eval_step

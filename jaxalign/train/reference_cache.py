@@ -1,0 +1,96 @@
+"""Precomputed reference quantities, cached on disk under a content hash.
+
+DPO needs the frozen reference's summed log-probs of every chosen and rejected sequence; MPO needs its reward gap
+and pooled hidden states on every dominant-language pair. They depend only on the reference weights, the
+tokenizer, the lengths and the data, so they are computed once before training, stored as ``<hash>.npz`` and
+attached to the examples (the batches then carry ``ref_*`` fields and no reference forward runs while training).
+The key hashes the reference parameters' bytes, the tokenizer's vocabulary and template, the data files' bytes,
+the length settings and the objective settings that change the quantities.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxalign.data.batching import bucket_length, default_buckets, max_sequence_length, pad_batch
+
+LAST_STATUS = {"status": None, "path": None}
+
+
+def content_key(params, tokenizer, key_parts: dict, extra: dict) -> str:
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(params):
+        digest.update(np.asarray(jax.device_get(leaf)).tobytes())
+    digest.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
+    digest.update((tokenizer.chat_template or "").encode())
+    for path in key_parts.get("paths", ()):
+        digest.update(Path(path).read_bytes())
+    settings = {k: v for k, v in key_parts.items() if k != "paths"}  # files count by content, not by name
+    digest.update(json.dumps({**settings, **extra}, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:24]
+
+
+def compute(examples: list[dict], graphdef, params, kind: str, hparams, batch_size: int = 16) -> dict[str, np.ndarray]:
+    """Reference quantities for every example, in order."""
+    from jaxalign.objectives.mpo import dominant_pass
+    from jaxalign.objectives.preference import pair_logps
+
+    @jax.jit
+    def run(params, batch):
+        reference = nnx.merge(graphdef, params)
+        if kind == "preference":
+            chosen, rejected, _, _ = pair_logps(reference, batch, "dpo", scope="reference")
+            return {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
+        gap, hidden = dominant_pass(reference, batch, hparams, "reference")
+        return {"ref_dominant_gap": gap, "ref_dominant_hidden": hidden}
+
+    buckets = default_buckets(max_sequence_length(examples, kind))
+    outputs: dict[str, list] = {}
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start:start + batch_size]
+        filled = chunk + [chunk[-1]] * (batch_size - len(chunk))
+        batch = pad_batch(filled, kind, bucket_length(max_sequence_length(filled, kind), buckets), 0)
+        result = run(params, {k: jnp.asarray(v) for k, v in batch.items()})
+        for name, value in result.items():
+            outputs.setdefault(name, []).append(np.asarray(value)[: len(chunk)])
+    return {name: np.concatenate(parts) for name, parts in outputs.items()}
+
+
+def attach(sources: list[list[dict]], graphdef, params, tokenizer, kind: str, hparams, cache_dir: Path,
+           key_parts: dict) -> list[list[dict]]:
+    """``sources`` with ``ref_*`` fields added to every example, from the cache when the key matches."""
+    if kind not in ("preference", "mpo"):
+        raise ValueError(f"precomputed references exist for preference and MPO data, not {kind!r}")
+    extra = {"kind": kind, "pooling": getattr(hparams, "pooling", None), "sizes": [len(s) for s in sources]}
+    key = content_key(params, tokenizer, key_parts, extra)
+    path = Path(cache_dir) / f"{key}.npz"
+    examples = [example for source in sources for example in source]
+    if path.exists():
+        values = dict(np.load(path))
+        LAST_STATUS.update(status="reused", path=str(path))
+    else:
+        values = compute(examples, graphdef, params, kind, hparams)
+        if jax.process_index() == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp.npz")
+            np.savez(tmp, **values)
+            tmp.replace(path)
+        LAST_STATUS.update(status="computed", path=str(path))
+    if any(len(v) != len(examples) for v in values.values()):
+        raise ValueError(f"{path}: cached reference values do not match the {len(examples)} examples; delete it")
+    flat = iter(range(len(examples)))
+    out = []
+    for source in sources:
+        enriched = []
+        for example in source:
+            i = next(flat)
+            enriched.append({**example, **{name: value[i] for name, value in values.items()}})
+        out.append(enriched)
+    return out
