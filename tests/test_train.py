@@ -11,8 +11,7 @@ from flax import nnx
 from jaxalign.models import LlamaConfig, abstract_model, create_model, load_hf
 from jaxalign.objectives import get_objective, make_params
 from jaxalign.parallel import make_mesh
-from jaxalign.train import ConfigError, load_config, train, validate
-from jaxalign.train import reference_cache
+from jaxalign.train import ConfigError, load_config, reference_cache, train, validate
 from jaxalign.train.step import init_state, make_optimizer, make_train_step, state_shardings
 
 SMALL = ["--config.model.shape.hidden_size=32", "--config.model.shape.intermediate_size=64",
@@ -40,7 +39,7 @@ def test_overrides_are_typed_and_checked():
                                  "--config.objective.params.beta=0.3", "--config.objective.params.loss_type=ipo"])
     assert config.optim.lr == 1e-5 and config.train.steps == 7 and config.data.shuffle is False
     assert config.objective.params.beta == 0.3 and config.objective.params.loss_type == "ipo"
-    with pytest.raises(ConfigError, match="no field 'optim.learning_rate'"):
+    with pytest.raises(ConfigError, match=r"no field 'optim\.learning_rate'"):
         load_config("sft", ["--config.optim.learning_rate=1"])
     with pytest.raises(ConfigError, match="expected a int"):
         load_config("sft", ["--config.train.steps=many"])
@@ -175,7 +174,7 @@ def test_nan_guard_skips_the_update():
     poisoned = dict(state.params)
     poisoned["norm"] = {"weight": state.params["norm"]["weight"] * jnp.nan}
     state = state._replace(params=poisoned)
-    state, metrics = step(state, batch)
+    state, _metrics = step(state, batch)
     assert int(state.skipped) == 1 and int(state.step) == 1
     assert np.isnan(np.asarray(state.params["norm"]["weight"])).all()  # unchanged (still the poisoned values)
     np.testing.assert_array_equal(np.asarray(state.params["embed_tokens"]), before["embed_tokens"])

@@ -10,6 +10,9 @@ from jaxalign.configs import base, presets
 def get_config(arg=None):
     config = base.get_config()
     config.workdir = "runs/default"
+    config.train.steps = 1500
+    config.train.eval_every = 500
+    config.train.save_every = 500
     config.tokenizer = "toy"
     config.objective.name = "ift"
     config.objective.params.max_lambda = 0.2

@@ -63,10 +63,10 @@ def exact_match(model, tokenizer, records: list[dict], *, max_new_tokens: int = 
 
 def make_eval_step(graphdef, objective, hparams):
     @jax.jit
-    def eval_step(params, batch, reference_params=None):
+    def eval_step(params, batch, reference_params=None, step=0):
         model = nnx.merge(graphdef, params)
         reference = nnx.merge(graphdef, reference_params) if reference_params is not None else None
-        _, metrics = objective(model, batch, hparams, reference=reference, step=jnp.zeros((), jnp.int32),
+        _, metrics = objective(model, batch, hparams, reference=reference, step=jnp.asarray(step, jnp.int32),
                                rng=jax.random.key(0))
         return metrics
 

@@ -256,7 +256,8 @@ def evaluate(run: Run) -> dict[str, float]:
         totals: dict = {}
         run.eval_pipeline.restore({**run.eval_pipeline.state(), "epoch": 0, "step": 0})
         for _ in range(min(run.config.eval.batches, run.eval_pipeline.steps_per_epoch)):
-            metrics = run.eval_fn(run.state.params, device_batch(run, next(run.eval_pipeline)), run.reference_params)
+            metrics = run.eval_fn(run.state.params, device_batch(run, next(run.eval_pipeline)), run.reference_params,
+                                  run.state.step)
             totals = metrics if not totals else jax.tree.map(jnp.add, totals, metrics)
         out.update(reduce(totals))
     if run.eval_records and run.config.eval.generate > 0:
