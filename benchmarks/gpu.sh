@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}"
-export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
 python3 benchmarks/train_step.py --out "$out/train_step.jsonl" --objectives sft,ift,dpo
 python3 benchmarks/train_step.py --out "$out/train_step.jsonl" --objectives sft --chunk 1024
