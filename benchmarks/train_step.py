@@ -138,8 +138,9 @@ def main() -> None:
         if "error" in row:
             print(f"| {row['objective']} | error: {row['error'][:60]} | | | | |")
         else:
-            print(f"| {row['objective']} | {row['step_s']:.3f} | {row['tokens_per_s']:,.0f} | "
-                  f"{100 * row['useful_mfu']:.1f} % | {100 * row['hardware_mfu']:.1f} % | {row['peak_memory_gb']:.1f} |")
+            mfu = f"{100 * row['useful_mfu']:.1f} % | {100 * row['hardware_mfu']:.1f} %"
+            print(f"| {row['objective']} | {row['step_s']:.3f} | {row['tokens_per_s']:,.0f} | {mfu} | "
+                  f"{row['peak_memory_gb']:.1f} |")
 
 
 if __name__ == "__main__":

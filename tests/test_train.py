@@ -178,3 +178,28 @@ def test_nan_guard_skips_the_update():
     assert int(state.skipped) == 1 and int(state.step) == 1
     assert np.isnan(np.asarray(state.params["norm"]["weight"])).all()  # unchanged (still the poisoned values)
     np.testing.assert_array_equal(np.asarray(state.params["embed_tokens"]), before["embed_tokens"])
+
+
+def test_corrupt_latest_checkpoint_falls_back_with_a_warning(tmp_path):
+    extra = ["--config.train.save_every=4", "--config.train.keep_checkpoints=3"]
+    train(small_config("sft", tmp_path / "run", "--config.train.steps=8", *extra))
+    latest = tmp_path / "run" / "checkpoints" / "8"
+    for file in latest.rglob("*"):
+        if file.is_file() and "state" in str(file):
+            file.write_bytes(b"garbage")
+    with pytest.warns(UserWarning, match="checkpoint 8 could not be restored"):
+        summary = train(small_config("sft", tmp_path / "run", "--config.train.steps=10", *extra))
+    assert summary["step"] == 10
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["split"] == "train"][-2:] == [5, 10]  # resumed at 4, logged from 5 on
+
+
+def test_remat_gives_the_same_loss_and_gradients():
+    batch = {k: jnp.asarray(v) for k, v in next(sft_batches(1)).items()}
+    results = []
+    for remat in (False, True):
+        model = create_model(TINY.replace(remat=remat), seed=3)
+        results.append(nnx.value_and_grad(lambda m: get_objective("sft").fn(m, batch, make_params("sft"))[0])(model))
+    assert float(results[0][0]) == pytest.approx(float(results[1][0]), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(results[0][1]), jax.tree.leaves(results[1][1]), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
