@@ -7,7 +7,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("data", "losses", "models", "objectives", "parallel", "sampling")
+_SUBPACKAGES = ("cpi", "data", "losses", "models", "objectives", "parallel", "sampling", "train")
 
 
 def __getattr__(name: str):
