@@ -213,6 +213,19 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_cpi(args) -> int:
+    from jaxalign.cpi.pipeline import run
+    from jaxalign.train import load_config
+
+    config = load_config(args.config, args.overrides)
+    if "cpi" not in config:
+        raise ValueError(f"config {args.config!r} has no cpi section; use --config cpi")
+    report = run(config)
+    print((Path(config.workdir) / "report.md").read_text())
+    print(f"report: {Path(config.workdir) / 'report.json'} ({report['seconds']:.0f}s)")
+    return 0
+
+
 def cmd_export(args) -> int:
     from jaxalign.train.export import export
 
@@ -246,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
                                          "Interrupting (SIGTERM / Ctrl-C) saves a checkpoint; rerunning resumes.")
     tr.add_argument("--config", default="default", help="config name or .py path, optionally :PRESET")
     tr.set_defaults(func=cmd_train)
+
+    cp = commands.add_parser("cpi", help="CPI-FT: probe fine-tunes, core masks, groups, fusion, staged SFT",
+                             description="Runs CPI-FT and its baselines (multi-task and sequential SFT) and writes a "
+                                         "report. Override fields like train: --config.cpi.fraction=0.02.")
+    cp.add_argument("--config", default="cpi")
+    cp.set_defaults(func=cmd_cpi)
 
     ex = commands.add_parser("export", help="write a run's checkpoint as a Hugging Face folder")
     ex.add_argument("--checkpoint", required=True, help="run folder (latest checkpoint) or checkpoints/STEP")
@@ -313,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if argv[:1] == ["train"]:
+    if argv[:1] in (["train"], ["cpi"]):
         args, rest = parser.parse_known_args(argv)
         unknown = [a for a in rest if not a.startswith("--config.")]
         if unknown:

@@ -86,7 +86,7 @@ def test_frozen_entries_stay_bit_identical_under_adamw():
     state = tx.init(params)
     start = jax.tree.map(np.asarray, params)
     for step in range(50):
-        grads = jax.tree.map(lambda p: jnp.asarray(rng.randn(*p.shape).astype(np.float32)) + step, params)
+        grads = jax.tree.map(lambda p, s=step: jnp.asarray(rng.randn(*p.shape).astype(np.float32)) + s, params)
         updates, state = tx.update(grads, state, params)
         params = optax.apply_updates(params, updates)
     for name in params:

@@ -1,0 +1,168 @@
+"""The CPI-FT pipeline and its baselines, end to end on one host.
+
+probe fine-tunes per task → core masks → Jaccard groups → fusion → staged SFT with earlier groups' cores frozen →
+exact-match evaluation per task, next to multi-task SFT and sequential SFT with the same number of task steps.
+Writes ``report.json`` and ``report.md`` to the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxalign.cpi.fusion import fuse
+from jaxalign.cpi.grouping import group_tasks, jaccard_matrix
+from jaxalign.cpi.masks import core_mask, default_include, mask_size
+from jaxalign.cpi.optimizer import freeze, union
+from jaxalign.data import DataPipeline, PipelineConfig, TokenizeConfig, Tokenizer, tokenize_record, validate_record
+from jaxalign.data.toy import GENERATORS, multitask, toy_tokenizer
+from jaxalign.models import LlamaConfig, create_model, load_pretrained
+from jaxalign.objectives import get_objective, make_params
+from jaxalign.train.evaluate import exact_match
+from jaxalign.train.step import init_state, make_optimizer, make_train_step
+
+
+def log(message: str) -> None:
+    if jax.process_index() == 0:
+        print(message, flush=True)
+
+
+class Trainer:
+    """Short SFT runs from given parameters, optionally with frozen entries (shared compiled pieces)."""
+
+    def __init__(self, config, graphdef, tokenizer):
+        self.config, self.graphdef, self.hf = config, graphdef, tokenizer
+        self.tok = Tokenizer(tokenizer, TokenizeConfig(max_length=config.data.max_length))
+        self.pad_id = tokenizer.pad_token_id or 0
+
+    def examples(self, records: list[dict]) -> list[dict]:
+        return [tokenize_record(self.tok, validate_record(r, source="toy", index=i, kind="sft"))
+                for i, r in enumerate(records)]
+
+    def train(self, params, records: list[dict], steps: int, *, frozen=None, seed: int = 0):
+        if steps <= 0:
+            return params
+        tx, _ = make_optimizer(self.config.optim, steps)
+        if frozen is not None:
+            tx = freeze(tx, frozen)
+        state = init_state(jax.tree.map(jnp.copy, params), tx, seed, None)
+        step = make_train_step(self.graphdef, get_objective("sft").fn, make_params("sft"), tx)
+        pipeline = DataPipeline([self.examples(records)], "sft",
+                                PipelineConfig(batch_size=self.config.train.batch_size, seed=seed, pad_id=self.pad_id))
+        for _ in range(steps):
+            state, _ = step(state, {k: jnp.asarray(v) for k, v in next(pipeline).items()})
+        return state.params
+
+    def accuracy(self, params, records: list[dict]) -> float:
+        model = nnx.merge(self.graphdef, params)
+        return exact_match(model, self.hf, records, max_new_tokens=self.config.cpi.max_new_tokens)
+
+
+def _task_data(cpi, seed: int) -> tuple[dict[str, list], dict[str, list]]:
+    tasks = [t for t in cpi.tasks.split(",") if t]
+    evaluation = {t: multitask(cpi.eval_per_task * len(tasks), seed + 1000, tasks=tasks) for t in tasks}
+    evaluation = {t: [r for r in records if r["task"] == t][: cpi.eval_per_task] for t, records in evaluation.items()}
+    held_out = {r["messages"][0]["content"] for records in evaluation.values() for r in records}
+    pool = multitask(cpi.train_per_task * len(tasks), seed, tasks=tasks)
+    train = {t: [r for r in pool if r["task"] == t and r["messages"][0]["content"] not in held_out] for t in tasks}
+    return train, evaluation
+
+
+def run(config) -> dict:
+    """Runs CPI-FT (and the baselines) from a config with a ``cpi`` section; returns the report."""
+    start = time.time()
+    cpi = config.cpi
+    workdir = Path(config.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    if config.model.path:
+        model, tokenizer = load_pretrained(config.model.path, dtype=config.model.dtype)
+    else:
+        model = create_model(LlamaConfig(**config.model.shape.to_dict(), dtype=config.model.dtype), seed=config.seed)
+        tokenizer = None
+    tokenizer = toy_tokenizer() if config.tokenizer == "toy" or tokenizer is None else tokenizer
+    graphdef, params = nnx.split(model)
+    base = nnx.to_pure_dict(params)
+    trainer = Trainer(config, graphdef, tokenizer)
+    train_data, eval_data = _task_data(cpi, config.seed)
+    tasks = list(train_data)
+
+    def scores(params) -> dict[str, float]:
+        return {t: round(trainer.accuracy(params, eval_data[t]), 4) for t in tasks}
+
+    if cpi.base_steps and cpi.base_data:
+        name = cpi.base_data.removeprefix("toy:")
+        base = trainer.train(base, GENERATORS[name](2000, config.seed + 7), cpi.base_steps, seed=1)
+    report: dict = {"tasks": tasks, "settings": cpi.to_dict(), "scores": {"base": scores(base)}}
+    log(f"base: {report['scores']['base']}")
+
+    # 1. probe fine-tunes and core masks
+    include = lambda name: default_include(name, embeddings=cpi.include_embeddings, norms=cpi.include_norms)
+    probes, masks = [], []
+    for i, task in enumerate(tasks):
+        probe = trainer.train(base, train_data[task], cpi.probe_steps, seed=10 + i)
+        probes.append(probe)
+        masks.append(core_mask(base, probe, cpi.fraction, include=include))
+        report["scores"][f"probe_{task}"] = scores(probe)
+        log(f"probe {task}: {report['scores'][f'probe_{task}']}, core size {mask_size(masks[-1])}")
+
+    # 2. groups, 3. fusion
+    similarity = jaccard_matrix(masks)
+    groups = group_tasks(similarity, cpi.tau)
+    report["core_sizes"] = {t: mask_size(m) for t, m in zip(tasks, masks, strict=True)}
+    report["jaccard"] = np.round(similarity, 4).tolist()
+    report["groups"] = [[tasks[i] for i in g] for g in groups]
+    log(f"groups at tau={cpi.tau}: {report['groups']}")
+    fused = fuse(base, probes, masks, omega=cpi.omega or None)
+    report["scores"]["fused"] = scores(fused)
+
+    # 4. staged SFT on a small balanced sample, earlier groups' cores frozen
+    current, frozen_groups = fused, []
+    for k, group in enumerate(groups):
+        sample = [r for i in group for r in train_data[tasks[i]][: cpi.sample_per_task]]
+        frozen = union([masks[i] for g in frozen_groups for i in g]) if frozen_groups else None
+        current = trainer.train(current, sample, cpi.stage_steps * len(group), frozen=frozen, seed=100 + k)
+        frozen_groups.append(group)
+    report["scores"]["cpi_ft"] = scores(current)
+    log(f"CPI-FT: {report['scores']['cpi_ft']}")
+
+    if cpi.baselines:
+        budget = cpi.probe_steps * len(tasks)
+        mixture = [r for t in tasks for r in train_data[t]]
+        report["scores"]["multi_task_sft"] = scores(trainer.train(base, mixture, budget, seed=200))
+        sequential = base
+        report["sequential_after_each"] = {}
+        for i, task in enumerate(tasks):
+            sequential = trainer.train(sequential, train_data[task], cpi.probe_steps, seed=300 + i)
+            report["sequential_after_each"][task] = scores(sequential)
+        report["scores"]["sequential_sft"] = scores(sequential)
+        report["forgetting"] = {
+            method: round(float(np.mean([report["scores"][f"probe_{t}"][t] - report["scores"][method][t]
+                                         for t in tasks])), 4)
+            for method in ("sequential_sft", "multi_task_sft", "cpi_ft")}
+        log(f"multi-task SFT: {report['scores']['multi_task_sft']}")
+        log(f"sequential SFT: {report['scores']['sequential_sft']}")
+    report["seconds"] = round(time.time() - start, 1)
+    (workdir / "report.json").write_text(json.dumps(report, indent=2))
+    (workdir / "report.md").write_text(markdown(report))
+    return report
+
+
+def markdown(report: dict) -> str:
+    tasks = report["tasks"]
+    lines = ["| model | " + " | ".join(tasks) + " | mean |", "|---|" + "---|" * (len(tasks) + 1)]
+    for name, row in report["scores"].items():
+        values = [row[t] for t in tasks]
+        cells = " | ".join(f"{100 * v:.1f}" for v in values)
+        lines.append(f"| {name} | {cells} | {100 * np.mean(values):.1f} |")
+    lines += ["", f"groups: {report['groups']}", f"core sizes: {report['core_sizes']}",
+              f"Jaccard: {report['jaccard']}"]
+    if "forgetting" in report:
+        lines.append("mean drop from each task's own probe score (points x 100): " +
+                     ", ".join(f"{k} {100 * v:.1f}" for k, v in report["forgetting"].items()))
+    return "\n".join(lines) + "\n"
