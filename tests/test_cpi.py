@@ -116,13 +116,11 @@ def test_pipeline_runs_end_to_end(tmp_path):
     from jaxalign.cpi.pipeline import run
     from jaxalign.train import load_config
 
-    config = load_config("cpi", [f"--config.workdir={tmp_path}", "--config.cpi.tasks=add,copy",
-                                 "--config.cpi.train_per_task=64", "--config.cpi.eval_per_task=4",
-                                 "--config.cpi.base_steps=4", "--config.cpi.probe_steps=4", "--config.cpi.stage_steps=2",
-                                 "--config.cpi.sample_per_task=16", "--config.cpi.tau=1.1", "--config.train.batch_size=8",
-                                 "--config.model.shape.hidden_size=32", "--config.model.shape.num_layers=1",
-                                 "--config.model.shape.intermediate_size=64", "--config.model.shape.num_heads=2",
-                                 "--config.model.shape.num_kv_heads=1"])
+    overrides = {"workdir": tmp_path, "cpi.tasks": "add,copy", "cpi.train_per_task": 64, "cpi.eval_per_task": 4,
+                 "cpi.base_steps": 4, "cpi.probe_steps": 4, "cpi.stage_steps": 2, "cpi.sample_per_task": 16,
+                 "cpi.tau": 1.1, "train.batch_size": 8, "model.shape.hidden_size": 32, "model.shape.num_layers": 1,
+                 "model.shape.intermediate_size": 64, "model.shape.num_heads": 2, "model.shape.num_kv_heads": 1}
+    config = load_config("cpi", [f"--config.{k}={v}" for k, v in overrides.items()])
     report = run(config)
     assert report["groups"] == [["add"], ["copy"]]  # tau above 1: every task alone, staged in order
     assert set(report["scores"]) == {"base", "probe_add", "probe_copy", "fused", "cpi_ft", "multi_task_sft",

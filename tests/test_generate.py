@@ -83,3 +83,67 @@ def test_bad_inputs_are_reported(model):
         generate(model, tokens, prompt_mask=mask[:, ::-1], max_new_tokens=2)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, tokens, max_new_tokens=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_equals_transformers_generate(arch, tmp_path):
+    torch = pytest.importorskip("torch")
+    from torch_reference import make_reference
+
+    from jaxalign.models import load_hf
+
+    reference = make_reference(arch, tmp_path, seed=4)
+    model = load_hf(tmp_path)
+    rng = np.random.RandomState(1)
+    lengths = [9, 5, 7]
+    tokens = np.zeros((3, 9), np.int64)
+    mask = np.zeros((3, 9), np.int64)
+    for row, n in enumerate(lengths):
+        tokens[row, 9 - n:] = rng.randint(3, 128, n)
+        mask[row, 9 - n:] = 1
+    reference.generation_config.eos_token_id = None  # run all 32 steps, with no EOS suppression either
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor(tokens), attention_mask=torch.tensor(mask), max_new_tokens=32,
+                                      do_sample=False, pad_token_id=0)[:, 9:].numpy()
+    got = np.asarray(generate(model, tokens, prompt_mask=mask, max_new_tokens=32))
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_decoding_compiles_once_for_any_length(model):
+    from jaxalign.sampling.generate import _generate
+
+    tokens, mask = left_padded_prompts()
+    generate(model, tokens, prompt_mask=mask, max_new_tokens=16)
+    compiled = _generate._cache_size()
+    long = generate(model, tokens, prompt_mask=mask, max_new_tokens=64)
+    generate(model, tokens, prompt_mask=mask, max_new_tokens=3)
+    assert _generate._cache_size() == compiled
+    assert long.shape == (3, 64)
+
+
+def test_samples_logps_and_top1(model):
+    from jaxalign.sampling import sample
+
+    tokens, mask = left_padded_prompts()
+    greedy = sample(model, tokens, prompt_mask=mask, max_new_tokens=5)
+    np.testing.assert_allclose(np.exp(greedy.logps), greedy.top1_probs, rtol=1e-5)  # greedy picks the top token
+    full = model(jnp.asarray(np.concatenate([tokens, np.asarray(greedy.tokens)], 1)),
+                 jnp.asarray(np.concatenate([mask, np.ones((3, 5), mask.dtype)], 1)))
+    expected = jax.nn.log_softmax(full[:, 6:-1], -1)
+    chosen = jnp.take_along_axis(expected, greedy.tokens[:, :, None], -1)[..., 0]
+    np.testing.assert_allclose(greedy.logps, chosen, atol=1e-5)
+    many = sample(model, tokens, prompt_mask=mask, max_new_tokens=6, temperature=1.0, seed=7, num_samples=4)
+    again = sample(model, tokens, prompt_mask=mask, max_new_tokens=6, temperature=1.0, seed=7, num_samples=4)
+    assert many.tokens.shape == (12, 6)
+    np.testing.assert_array_equal(many.tokens, again.tokens)
+    assert len({tuple(r) for r in np.asarray(many.tokens[:4])}) > 1  # different samples of one prompt
+    eos = int(greedy.tokens[0, 1])
+    stopped = sample(model, tokens, prompt_mask=mask, max_new_tokens=5, eos_id=eos)
+    assert int(stopped.lengths[0]) == int(np.flatnonzero(np.asarray(greedy.tokens[0]) == eos)[0]) + 1
+
+
+def test_truncate_at_stop():
+    from jaxalign.sampling import truncate_at_stop
+
+    assert truncate_at_stop("The answer is 5.\nUser: hi", ["\nUser:", "###"]) == "The answer is 5."
+    assert truncate_at_stop("no stops here", ["###"]) == "no stops here"

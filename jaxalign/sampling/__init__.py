@@ -1,5 +1,5 @@
-"""Sampling: KV-cache generation (greedy / temperature / top-k / top-p)."""
+"""Sampling: KV-cache generation (greedy / temperature / top-k / top-p, several samples, per-step probabilities)."""
 
-from jaxalign.sampling.generate import generate, sample_logits
+from jaxalign.sampling.generate import Generation, generate, sample, sample_logits, truncate_at_stop
 
-__all__ = ["generate", "sample_logits"]
+__all__ = ["Generation", "generate", "sample", "sample_logits", "truncate_at_stop"]

@@ -1,33 +1,50 @@
 """Autoregressive generation: one jitted prefill + ``lax.while_loop`` decode over a KV cache.
 
-No Python loop per token and no recompilation per token: a graph is compiled once per (model graph,
-batch, prompt length, ``max_new_tokens``, sampling mode). Prompts are left-padded.
+No Python loop per token and no recompilation per token or per length: the cache and output buffers are sized to
+a bucket (at least 256 positions, doubling) and ``max_new_tokens``, the temperature and ``top_p`` are traced, so a
+graph is compiled once per (model, batch, prompt length, bucket, greedy or not, top-k, nucleus on/off). Prompts
+are left-padded. Besides the tokens, every step's chosen-token log-probability and top-1 probability (under the
+model's untempered distribution) are returned, for confidence-based methods (Nudging, SATER).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxalign.models.llama import KVCache, LlamaForCausalLM
 
+MIN_CACHE_BUCKET = 256
 
-def sample_logits(logits: jax.Array, key: jax.Array, *, temperature: float = 0.0, top_k: int = 0,
-                  top_p: float = 1.0) -> jax.Array:
-    """Next token ``[B]`` from logits ``[B, V]``: greedy when ``temperature == 0``, else temperature
-    sampling restricted to the ``top_k`` most likely tokens and to the smallest set whose probability
+
+class Generation(NamedTuple):
+    """``tokens [B, N]`` (``pad_id`` after EOS), ``logps [B, N]`` of the chosen tokens, ``top1_probs [B, N]``
+    (probability of the most likely token at each step), ``lengths [B]`` (tokens up to and including EOS)."""
+
+    tokens: jax.Array
+    logps: jax.Array
+    top1_probs: jax.Array
+    lengths: jax.Array
+
+
+def sample_logits(logits: jax.Array, key: jax.Array, *, temperature: float | jax.Array = 0.0, top_k: int = 0,
+                  top_p: float | jax.Array = 1.0) -> jax.Array:
+    """Next token ``[B]`` from logits ``[B, V]``: greedy when ``temperature == 0`` (a Python number), else
+    temperature sampling restricted to the ``top_k`` most likely tokens and to the smallest set whose probability
     reaches ``top_p`` (nucleus)."""
     logits = logits.astype(jnp.float32)
-    if temperature == 0.0:
+    if isinstance(temperature, int | float) and temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
     if top_k > 0:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p < 1.0:
+    if not (isinstance(top_p, int | float) and top_p >= 1.0):
         sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
@@ -38,58 +55,93 @@ def sample_logits(logits: jax.Array, key: jax.Array, *, temperature: float = 0.0
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k", "top_p",
-                                             "eos_ids", "pad_id"))
-def _generate(graphdef, state, prompt_tokens, prompt_mask, key, *, max_new_tokens: int, temperature: float,
-              top_k: int, top_p: float, eos_ids: tuple[int, ...], pad_id: int):
+def cache_bucket(length: int) -> int:
+    size = MIN_CACHE_BUCKET
+    while size < length:
+        size *= 2
+    return size
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_length", "greedy", "top_k", "nucleus", "pad_id"))
+def _generate(graphdef, state, prompt_tokens, prompt_mask, key, max_new_tokens, temperature, top_p, eos_ids, *,
+              cache_length: int, greedy: bool, top_k: int, nucleus: bool, pad_id: int) -> Generation:
     model = nnx.merge(graphdef, state)
     batch, prompt_len = prompt_tokens.shape
-    cache = KVCache.init(model.config, batch, prompt_len + max_new_tokens)
-    out = model(prompt_tokens, prompt_mask, cache=cache)
-    eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+    room = cache_length - prompt_len
+    out = model(prompt_tokens, prompt_mask, cache=KVCache.init(model.config, batch, cache_length))
 
     def cond(carry):
-        step, _, _, _, done, _ = carry
+        step, done = carry[0], carry[6]
         return (step < max_new_tokens) & ~jnp.all(done)
 
     def body(carry):
-        step, cache, last_logits, tokens, done, key = carry
+        step, cache, last_logits, tokens, logps, top1, done, lengths, key = carry
         key, sample_key = jax.random.split(key)
-        next_token = sample_logits(last_logits, sample_key, temperature=temperature, top_k=top_k, top_p=top_p)
+        next_token = sample_logits(last_logits, sample_key, temperature=0.0 if greedy else temperature, top_k=top_k,
+                                   top_p=top_p if nucleus else 1.0)
+        log_probs = jax.nn.log_softmax(last_logits.astype(jnp.float32), axis=-1)
+        chosen_logp = jnp.take_along_axis(log_probs, next_token[:, None], axis=-1)[:, 0]
         next_token = jnp.where(done, pad_id, next_token)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, next_token[:, None], step, 1)
-        done = done | jnp.isin(next_token, eos)
+        logps = jax.lax.dynamic_update_slice_in_dim(logps, jnp.where(done, 0.0, chosen_logp)[:, None], step, 1)
+        top1 = jax.lax.dynamic_update_slice_in_dim(top1, jnp.where(done, 0.0, jnp.exp(log_probs.max(-1)))[:, None],
+                                                   step, 1)
+        lengths = lengths + (~done).astype(jnp.int32)
+        done = done | jnp.isin(next_token, eos_ids)
         step_out = model(next_token[:, None], jnp.ones((batch, 1), bool), cache=cache)
-        return step + 1, step_out.cache, step_out.logits[:, -1], tokens, done, key
+        return step + 1, step_out.cache, step_out.logits[:, -1], tokens, logps, top1, done, lengths, key
 
-    tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32)
-    carry = (jnp.zeros((), jnp.int32), out.cache, out.logits[:, -1], tokens, jnp.zeros((batch,), bool), key)
-    return jax.lax.while_loop(cond, body, carry)[3]
+    carry = (jnp.zeros((), jnp.int32), out.cache, out.logits[:, -1], jnp.full((batch, room), pad_id, jnp.int32),
+             jnp.zeros((batch, room), jnp.float32), jnp.zeros((batch, room), jnp.float32), jnp.zeros((batch,), bool),
+             jnp.zeros((batch,), jnp.int32), key)
+    result = jax.lax.while_loop(cond, body, carry)
+    return Generation(tokens=result[3], logps=result[4], top1_probs=result[5], lengths=result[7])
+
+
+def sample(model: LlamaForCausalLM, prompt_tokens, *, prompt_mask=None, max_new_tokens: int,
+           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, eos_id: int | tuple[int, ...] | None = None,
+           pad_id: int = 0, seed: int = 0, num_samples: int = 1) -> Generation:
+    """Continues left-padded prompts ``[B, T]``; ``num_samples`` draws per prompt (rows ``b*num_samples + s``).
+
+    Returns a ``Generation`` with ``[B * num_samples, max_new_tokens]`` arrays. After a row emits an ``eos_id``
+    (one id or several) the rest of the row is ``pad_id``; the loop stops once every row is done.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or num_samples < 1:
+        raise ValueError(f"invalid sampling settings: temperature={temperature}, top_k={top_k}, top_p={top_p}, "
+                         f"num_samples={num_samples}")
+    prompt_tokens = np.asarray(prompt_tokens, np.int32)
+    if prompt_tokens.ndim != 2:
+        raise ValueError(f"prompt_tokens must be [batch, length], got shape {prompt_tokens.shape}")
+    mask = np.ones(prompt_tokens.shape, bool) if prompt_mask is None else np.asarray(prompt_mask, bool)
+    if mask.shape != prompt_tokens.shape:
+        raise ValueError(f"prompt_mask shape {mask.shape} differs from prompt_tokens shape {prompt_tokens.shape}")
+    if not mask[:, -1].all():
+        raise ValueError("prompts must be left-padded: the last column of prompt_mask must be 1 in every row")
+    if num_samples > 1:
+        prompt_tokens, mask = np.repeat(prompt_tokens, num_samples, 0), np.repeat(mask, num_samples, 0)
+    eos_ids = eos_id if isinstance(eos_id, tuple | list) else (eos_id,)
+    eos = (-1,) if eos_id is None else tuple(int(e) for e in eos_ids)
+    graphdef, state = nnx.split(model)
+    out = _generate(graphdef, state, jnp.asarray(prompt_tokens), jnp.asarray(mask), jax.random.key(seed),
+                    jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(temperature, jnp.float32),
+                    jnp.asarray(top_p, jnp.float32), jnp.asarray(eos, jnp.int32),
+                    cache_length=cache_bucket(prompt_tokens.shape[1] + max_new_tokens), greedy=temperature == 0.0,
+                    top_k=int(top_k), nucleus=top_p < 1.0, pad_id=int(pad_id))
+    return Generation(*(x[:, :max_new_tokens] for x in out[:3]), out.lengths)
 
 
 def generate(model: LlamaForCausalLM, prompt_tokens, *, prompt_mask=None, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, eos_id: int | tuple[int, ...] | None = None,
              pad_id: int = 0, seed: int = 0) -> jax.Array:
-    """Continues left-padded prompts ``[B, T]``; returns new tokens ``[B, max_new_tokens]``.
+    """New tokens ``[B, max_new_tokens]`` for left-padded prompts (``prompt_mask`` 1 on real tokens; None = no
+    padding), ``pad_id`` after EOS. See ``sample`` for several samples per prompt and per-step probabilities."""
+    return sample(model, prompt_tokens, prompt_mask=prompt_mask, max_new_tokens=max_new_tokens,
+                  temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, pad_id=pad_id, seed=seed).tokens
 
-    ``prompt_mask`` is 1 on real tokens (None: no padding). After a row emits an ``eos_id`` (one id or
-    several) the rest of the row is ``pad_id``; the loop stops early once every row is done.
-    """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise ValueError(f"invalid sampling settings: temperature={temperature}, top_k={top_k}, top_p={top_p}")
-    prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
-    if prompt_tokens.ndim != 2:
-        raise ValueError(f"prompt_tokens must be [batch, length], got shape {prompt_tokens.shape}")
-    mask = jnp.ones(prompt_tokens.shape, bool) if prompt_mask is None else jnp.asarray(prompt_mask, bool)
-    if mask.shape != prompt_tokens.shape:
-        raise ValueError(f"prompt_mask shape {mask.shape} differs from prompt_tokens shape {prompt_tokens.shape}")
-    if not bool(jnp.all(mask[:, -1])):
-        raise ValueError("prompts must be left-padded: the last column of prompt_mask must be 1 in every row")
-    eos_ids = () if eos_id is None else tuple(int(e) for e in (eos_id if isinstance(eos_id, tuple | list)
-                                                               else (eos_id,)))
-    graphdef, state = nnx.split(model)
-    return _generate(graphdef, state, prompt_tokens, mask, jax.random.key(seed), max_new_tokens=max_new_tokens,
-                     temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), eos_ids=eos_ids,
-                     pad_id=int(pad_id))
+
+def truncate_at_stop(text: str, stops: tuple[str, ...] | list[str]) -> str:
+    """``text`` cut before the first occurrence of any stop string."""
+    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=len(text))
+    return text[:cut]
