@@ -70,7 +70,7 @@ def cmd_generate(args) -> int:
     import numpy as np
 
     from jaxalign.models import load_pretrained
-    from jaxalign.sampling import generate
+    from jaxalign.sampling import sample, truncate_at_stop
 
     path = _model_path(args.model)
     start = time.perf_counter()
@@ -90,16 +90,22 @@ def cmd_generate(args) -> int:
         mask[row, width - len(ids):] = 1
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
     start = time.perf_counter()
-    out = np.asarray(generate(model, tokens, prompt_mask=mask, max_new_tokens=args.max_new_tokens,
-                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_id=eos,
-                              pad_id=pad_id, seed=args.seed))
+    result = sample(model, tokens, prompt_mask=mask, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, eos_id=eos, pad_id=pad_id, seed=args.seed,
+                    num_samples=args.num_samples)
+    out = np.asarray(result.tokens)
     elapsed = time.perf_counter() - start
-    for prompt, row in zip(prompts, out, strict=True):
-        text = tokenizer.decode(row, skip_special_tokens=True).strip()
+    for row, generated in enumerate(out):
+        prompt = prompts[row // args.num_samples]
+        text = truncate_at_stop(tokenizer.decode(generated, skip_special_tokens=True), args.stop or []).strip()
         if args.json:
-            print(json.dumps({"prompt": prompt, "completion": text}))
+            mean_logp = float(np.asarray(result.logps[row]).sum() / max(int(result.lengths[row]), 1))
+            print(json.dumps({"prompt": prompt, "sample": row % args.num_samples, "completion": text,
+                              "mean_logp": mean_logp}))
         else:
-            print(f">>> {prompt if isinstance(prompt, str) else prompt[-1]['content']}\n{text}\n")
+            shown = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+            label = f" (sample {row % args.num_samples + 1})" if args.num_samples > 1 else ""
+            print(f">>> {shown}{label}\n{text}\n")
     print(f"generated {out.shape[0]}x{out.shape[1]} tokens in {elapsed:.1f}s (including compilation)",
           file=sys.stderr)
     return 0
@@ -291,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
+    gen.add_argument("--stop", action="append", help="stop string (repeat for several); the text is cut before it")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.set_defaults(func=cmd_generate)
