@@ -63,7 +63,8 @@ def cache_bucket(length: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cache_length", "greedy", "top_k", "nucleus", "pad_id"))
-def _generate(graphdef, state, prompt_tokens, prompt_mask, key, max_new_tokens, temperature, top_p, eos_ids, *,
+def _generate(graphdef, state, prompt_tokens, prompt_mask, key, max_new_tokens, temperature, top_p, eos_ids,
+              stop_below, *,
               cache_length: int, greedy: bool, top_k: int, nucleus: bool, pad_id: int) -> Generation:
     model = nnx.merge(graphdef, state)
     batch, prompt_len = prompt_tokens.shape
@@ -81,6 +82,7 @@ def _generate(graphdef, state, prompt_tokens, prompt_mask, key, max_new_tokens, 
                                    top_p=top_p if nucleus else 1.0)
         log_probs = jax.nn.log_softmax(last_logits.astype(jnp.float32), axis=-1)
         chosen_logp = jnp.take_along_axis(log_probs, next_token[:, None], axis=-1)[:, 0]
+        done = done | (jnp.exp(log_probs.max(-1)) < stop_below)  # unsure: stop before emitting this token
         next_token = jnp.where(done, pad_id, next_token)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, next_token[:, None], step, 1)
         logps = jax.lax.dynamic_update_slice_in_dim(logps, jnp.where(done, 0.0, chosen_logp)[:, None], step, 1)
@@ -100,11 +102,13 @@ def _generate(graphdef, state, prompt_tokens, prompt_mask, key, max_new_tokens, 
 
 def sample(model: LlamaForCausalLM, prompt_tokens, *, prompt_mask=None, max_new_tokens: int,
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, eos_id: int | tuple[int, ...] | None = None,
-           pad_id: int = 0, seed: int = 0, num_samples: int = 1) -> Generation:
+           pad_id: int = 0, seed: int = 0, num_samples: int = 1, stop_below: float = 0.0) -> Generation:
     """Continues left-padded prompts ``[B, T]``; ``num_samples`` draws per prompt (rows ``b*num_samples + s``).
 
     Returns a ``Generation`` with ``[B * num_samples, max_new_tokens]`` arrays. After a row emits an ``eos_id``
-    (one id or several) the rest of the row is ``pad_id``; the loop stops once every row is done.
+    (one id or several) the rest of the row is ``pad_id``; the loop stops once every row is done. With
+    ``stop_below > 0`` a row also stops, before emitting it, at the first step whose top-1 probability is below
+    ``stop_below`` (Nudging's "the base model is unsure here").
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -126,7 +130,7 @@ def sample(model: LlamaForCausalLM, prompt_tokens, *, prompt_mask=None, max_new_
     graphdef, state = nnx.split(model)
     out = _generate(graphdef, state, jnp.asarray(prompt_tokens), jnp.asarray(mask), jax.random.key(seed),
                     jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(temperature, jnp.float32),
-                    jnp.asarray(top_p, jnp.float32), jnp.asarray(eos, jnp.int32),
+                    jnp.asarray(top_p, jnp.float32), jnp.asarray(eos, jnp.int32), jnp.asarray(stop_below, jnp.float32),
                     cache_length=cache_bucket(prompt_tokens.shape[1] + max_new_tokens), greedy=temperature == 0.0,
                     top_k=int(top_k), nucleus=top_p < 1.0, pad_id=int(pad_id))
     return Generation(*(x[:, :max_new_tokens] for x in out[:3]), out.lengths)
