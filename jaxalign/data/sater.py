@@ -8,10 +8,38 @@ answer or the refusal string.
 
 from __future__ import annotations
 
+import difflib
+import re
 from collections.abc import Callable
 from typing import Any
 
 REFUSAL = "Sorry, I can't answer that."
+_NUMBER = re.compile(r"-?\d+")
+
+
+def extract_answer(text: str) -> str:
+    """The last integer in ``text`` (toy answers are numbers, short or inside a sentence), else the stripped text."""
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else text.strip()
+
+
+def numeric_verifier(text: str, gold: str) -> bool:
+    """Exact match of the extracted answer with the gold answer."""
+    return extract_answer(text) == str(gold).strip()
+
+
+def is_refusal(text: str, *, threshold: float = 0.8) -> bool:
+    """Whether ``text`` is the refusal: exact after normalising case, spaces and punctuation, a prefix of it (a cut
+    generation still counts), or a close fuzzy match (``difflib`` ratio >= ``threshold``)."""
+    def norm(s: str) -> str:
+        return re.sub(r"[^a-z0-9 ]", "", " ".join(s.lower().split()))
+
+    said, refusal = norm(text), norm(REFUSAL)
+    if not said:
+        return False
+    if said.startswith(refusal) or (len(said) >= 6 and refusal.startswith(said)):
+        return True
+    return difflib.SequenceMatcher(None, said[: len(refusal) + 5], refusal).ratio() >= threshold
 
 
 def threshold_prompt(question: str, tau: float) -> str:

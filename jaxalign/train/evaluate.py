@@ -3,22 +3,13 @@ for records that carry an ``answer`` (the toy tasks)."""
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxalign.data.sater import extract_answer
 from jaxalign.sampling import generate
-
-_NUMBER = re.compile(r"-?\d+")
-
-
-def extract_answer(text: str) -> str:
-    """The last integer in ``text`` (toy answers are numbers, short or inside a sentence), else the stripped text."""
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else text.strip()
 
 
 def prompt_of(record: dict):
