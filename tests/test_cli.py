@@ -68,3 +68,17 @@ def test_data_toy_and_inspect(tmp_path, capsys):
     assert "record 20, field 'messages': has no assistant turn" in capsys.readouterr().out
     assert main(["data", "inspect", str(path), "--objective", "dpo"]) == 2
     assert "field 'chosen': missing" in capsys.readouterr().err
+
+
+def test_route_writes_table_and_plot(tiny_folder, tmp_path, capsys):
+    from jaxalign.data.toy import arithmetic, write_jsonl
+
+    data = write_jsonl(arithmetic(6, seed=1), tmp_path / "eval.jsonl")
+    folder, _, _ = tiny_folder
+    assert main(["route", "--small", str(folder), "--data", str(data), "--out", str(tmp_path / "route"),
+                 "--taus", "0.2,0.8", "--cascade-samples", "2", "--max-new-tokens", "4"]) == 0
+    report = json.loads((tmp_path / "route" / "route.json").read_text())
+    assert len(report["curves"]["pre_generation"]) == 2 and len(report["curves"]["cascade"]) == 11
+    assert report["large_alone"]["accuracy"] == 1.0  # the exact solver
+    assert (tmp_path / "route" / "route.png").stat().st_size > 1000
+    assert "| small alone |" in capsys.readouterr().out
