@@ -70,25 +70,17 @@ def _encode(tokenizer, prompt: str | list[dict], chat: bool, system: str | None)
 def cmd_generate(args) -> int:
     import numpy as np
 
-    from jaxalign.models import load_pretrained
-    from jaxalign.sampling import sample, truncate_at_stop
+    from jaxalign.sampling import left_pad, sample, truncate_at_stop
 
     path = _model_path(args.model)
     start = time.perf_counter()
-    model, tokenizer = load_pretrained(path, dtype=args.dtype)
-    if tokenizer is None:
-        raise FileNotFoundError(f"{path}: the model folder has no tokenizer files")
+    model, tokenizer = _load_any(str(path), dtype=args.dtype)
     print(f"loaded {path.name} ({model.config.num_params() / 1e6:.1f}M parameters) in "
           f"{time.perf_counter() - start:.1f}s", file=sys.stderr)
     prompts = _read_prompts(args)
     encoded = [_encode(tokenizer, p, args.chat, args.system) for p in prompts]
-    width = max(len(ids) for ids in encoded)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    tokens = np.full((len(encoded), width), pad_id, np.int32)
-    mask = np.zeros((len(encoded), width), np.int32)
-    for row, ids in enumerate(encoded):
-        tokens[row, width - len(ids):] = ids
-        mask[row, width - len(ids):] = 1
+    tokens, mask = left_pad(encoded, pad_id)
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
     start = time.perf_counter()
     result = sample(model, tokens, prompt_mask=mask, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -233,7 +225,7 @@ def cmd_cpi(args) -> int:
     return 0
 
 
-def _load_any(path: str):
+def _load_any(path: str, dtype: str = "float32"):
     """(model, tokenizer) from a jaxalign run folder, a Hugging Face folder or a .gguf file."""
     from jaxalign.models import load_pretrained
 
@@ -242,9 +234,9 @@ def _load_any(path: str):
 
         model, tokenizer, _ = restore_model(path)
         return model, tokenizer
-    model, tokenizer = load_pretrained(path)
+    model, tokenizer = load_pretrained(path, dtype=dtype)
     if tokenizer is None:
-        raise FileNotFoundError(f"{path}: no tokenizer")
+        raise FileNotFoundError(f"{path}: the model folder has no tokenizer files")
     return model, tokenizer
 
 

@@ -6,6 +6,14 @@ Other config files start from ``base.get_config()`` and change what differs.
 import ml_collections
 
 
+def use_toy(config, source: str = "toy:arithmetic"):
+    """Train and evaluate on a toy generator with the built-in toy tokenizer (the bundled configs' default)."""
+    config.tokenizer = "toy"
+    config.data.train = source
+    config.data.eval = source
+    return config
+
+
 def get_config(arg=None):
     config = ml_collections.ConfigDict()
     config.seed = 0

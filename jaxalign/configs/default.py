@@ -13,7 +13,7 @@ def get_config(arg=None):
     config.train.steps = 1500
     config.train.eval_every = 500
     config.train.save_every = 500
-    config.tokenizer = "toy"
+    base.use_toy(config)
     config.objective.name = "ift"
     config.objective.params.max_lambda = 0.2
     config.objective.params.min_lambda = 0.0

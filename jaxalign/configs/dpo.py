@@ -9,9 +9,7 @@ from jaxalign.configs import base, presets
 def get_config(arg=None):
     config = base.get_config()
     config.workdir = "runs/dpo"
-    config.tokenizer = "toy"
-    config.data.train = "toy:preferences"
-    config.data.eval = "toy:preferences"
+    base.use_toy(config, "toy:preferences")
     config.objective.name = "dpo"
     config.objective.params.beta = 0.1
     config.objective.params.loss_type = "sigmoid"

@@ -6,7 +6,7 @@ from jaxalign.configs import base, presets
 def get_config(arg=None):
     config = base.get_config()
     config.workdir = "runs/ift"
-    config.tokenizer = "toy"
+    base.use_toy(config)
     config.objective.name = "ift"
     config.objective.params.max_lambda = 0.2
     config.objective.params.gamma = 0.95

@@ -6,9 +6,7 @@ from jaxalign.configs import base, presets
 def get_config(arg=None):
     config = base.get_config()
     config.workdir = "runs/mpo"
-    config.tokenizer = "toy"
-    config.data.train = "toy:mpo"
-    config.data.eval = "toy:mpo"
+    base.use_toy(config, "toy:mpo")
     config.objective.name = "mpo"
     config.objective.params.beta = 1.0
     config.objective.params.pooling = "mean"

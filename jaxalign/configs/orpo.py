@@ -6,9 +6,7 @@ from jaxalign.configs import base, presets
 def get_config(arg=None):
     config = base.get_config()
     config.workdir = "runs/orpo"
-    config.tokenizer = "toy"
-    config.data.train = "toy:preferences"
-    config.data.eval = "toy:preferences"
+    base.use_toy(config, "toy:preferences")
     config.objective.name = "orpo"
     config.objective.params.lam = 0.1
     config.optim.lr = 1e-3

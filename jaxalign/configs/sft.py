@@ -6,7 +6,7 @@ from jaxalign.configs import base, presets
 def get_config(arg=None):
     config = base.get_config()
     config.workdir = "runs/sft"
-    config.tokenizer = "toy"
+    base.use_toy(config)
     config.objective.name = "sft"
     config.objective.params.normalization = "token"
     return presets.apply(config, arg)

@@ -6,9 +6,7 @@ from jaxalign.configs import base, presets
 def get_config(arg=None):
     config = base.get_config()
     config.workdir = "runs/simpo"
-    config.tokenizer = "toy"
-    config.data.train = "toy:preferences"
-    config.data.eval = "toy:preferences"
+    base.use_toy(config, "toy:preferences")
     config.objective.name = "simpo"
     config.objective.params.beta = 2.0
     config.objective.params.gamma_beta_ratio = 0.8

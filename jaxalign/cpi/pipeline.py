@@ -25,12 +25,8 @@ from jaxalign.data.toy import GENERATORS, multitask, toy_tokenizer
 from jaxalign.models import LlamaConfig, create_model, load_pretrained
 from jaxalign.objectives import get_objective, make_params
 from jaxalign.train.evaluate import exact_match
+from jaxalign.train.loop import log
 from jaxalign.train.step import init_state, make_optimizer, make_train_step
-
-
-def log(message: str) -> None:
-    if jax.process_index() == 0:
-        print(message, flush=True)
 
 
 class Trainer:

@@ -55,6 +55,17 @@ def sample_logits(logits: jax.Array, key: jax.Array, *, temperature: float | jax
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def left_pad(sequences, pad_id: int, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Token lists -> left-padded ``(tokens [N, width], mask [N, width])`` int32 (width: the longest by default)."""
+    width = max(len(s) for s in sequences) if width is None else width
+    tokens = np.full((len(sequences), width), pad_id, np.int32)
+    mask = np.zeros((len(sequences), width), np.int32)
+    for row, ids in enumerate(sequences):
+        if ids:
+            tokens[row, width - len(ids):], mask[row, width - len(ids):] = ids, 1
+    return tokens, mask
+
+
 def cache_bucket(length: int) -> int:
     size = MIN_CACHE_BUCKET
     while size < length:

@@ -25,7 +25,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxalign.sampling.generate import sample
+from jaxalign.sampling.generate import left_pad, sample
 
 PROMPT_BUCKET = 64
 
@@ -54,10 +54,7 @@ class TextModel:
 
     def continue_text(self, text: str, max_new_tokens: int, *, stop_below: float = 0.0) -> Continuation:
         ids = self.tokenizer(text, add_special_tokens=self.add_special_tokens)["input_ids"]
-        width = -(-max(len(ids), 1) // PROMPT_BUCKET) * PROMPT_BUCKET
-        tokens = np.full((1, width), self.pad_id, np.int32)
-        mask = np.zeros((1, width), np.int32)
-        tokens[0, width - len(ids):], mask[0, width - len(ids):] = ids, 1
+        tokens, mask = left_pad([ids], self.pad_id, -(-max(len(ids), 1) // PROMPT_BUCKET) * PROMPT_BUCKET)
         out = sample(self.model, tokens, prompt_mask=mask, max_new_tokens=max(max_new_tokens, 1),
                      eos_id=self.eos_ids or None, pad_id=self.pad_id, stop_below=stop_below)
         n = int(out.lengths[0])

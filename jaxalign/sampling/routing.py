@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxalign.data.sater import REFUSAL, extract_answer, is_refusal, numeric_verifier, stage1_pair, threshold_prompt
-from jaxalign.sampling.generate import sample
+from jaxalign.sampling.generate import left_pad, sample
 
 
 # ------------------------------------------------------------------------------------------------ sampling
@@ -35,13 +35,7 @@ def chat_prompts(tokenizer, questions: Sequence[str]) -> tuple[np.ndarray, np.nd
     """Left-padded chat prompts (token ids, mask) for ``questions``."""
     encoded = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                              tokenize=True)["input_ids"] for q in questions]
-    width = max(len(ids) for ids in encoded)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    tokens = np.full((len(encoded), width), pad, np.int32)
-    mask = np.zeros((len(encoded), width), np.int32)
-    for row, ids in enumerate(encoded):
-        tokens[row, width - len(ids):], mask[row, width - len(ids):] = ids, 1
-    return tokens, mask
+    return left_pad(encoded, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
 
 
 @dataclasses.dataclass

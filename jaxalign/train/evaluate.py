@@ -9,7 +9,7 @@ import numpy as np
 from flax import nnx
 
 from jaxalign.data.sater import extract_answer
-from jaxalign.sampling import generate
+from jaxalign.sampling import generate, left_pad
 
 
 def prompt_of(record: dict):
@@ -38,11 +38,7 @@ def exact_match(model, tokenizer, records: list[dict], *, max_new_tokens: int = 
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
         chunk = chunk + [chunk[-1]] * (batch_size - len(chunk))  # fixed shape: one compilation
-        tokens = np.full((batch_size, width), pad, np.int32)
-        mask = np.zeros((batch_size, width), np.int32)
-        for row, ids in enumerate(chunk):
-            tokens[row, width - len(ids):] = ids
-            mask[row, width - len(ids):] = 1
+        tokens, mask = left_pad(chunk, pad, width)
         out = np.asarray(generate(model, tokens, prompt_mask=mask, max_new_tokens=max_new_tokens,
                                   eos_id=tokenizer.eos_token_id, pad_id=pad))
         for row in range(min(batch_size, len(prompts) - start)):
