@@ -1,5 +1,6 @@
 """Nudging on tiny models with different tokenizers: γ = 0 is the base alone, γ > 1 is the nudger every round."""
 
+import jax
 import numpy as np
 import pytest
 from test_gguf import TEMPLATE, train_bpe
@@ -7,8 +8,8 @@ from transformers import PreTrainedTokenizerFast
 
 from jaxalign.data.toy import toy_tokenizer
 from jaxalign.models import LlamaConfig, create_model
-from jaxalign.sampling import TextModel, nudge, sample
-from jaxalign.sampling.nudging import remove_repeated_suffix
+from jaxalign.sampling import TextModel, nudge, nudge_cached, sample
+from jaxalign.sampling.nudging import remove_repeated_suffix, word_start_table
 
 PROMPT = "Question: What is 2 + 3?\nAnswer:"
 
@@ -68,3 +69,69 @@ def test_remove_repeated_suffix():
     unit = "and the answer is five, I am quite sure. "
     assert remove_repeated_suffix("Start. " + unit * 4) == "Start. " + unit
     assert remove_repeated_suffix("short short short") == "short short short"  # below 30 characters
+
+
+# ---- same-tokenizer fast path: both models keep a KV cache and advance together ----
+
+QUESTIONS = ["What is 2 + 3?", "What is 17 - 9? Think briefly."]
+
+
+@pytest.fixture(scope="module")
+def same_tokenizer_models():
+    tokenizer = toy_tokenizer()
+    shape = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
+    base = TextModel(create_model(LlamaConfig(vocab_size=320, **shape), seed=3), tokenizer)
+    nudger = TextModel(create_model(LlamaConfig(vocab_size=320, **shape), seed=4), tokenizer)
+    base_prompts = [f"Question: {q}\nAnswer:" for q in QUESTIONS]
+    nudger_prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                    tokenize=False) for q in QUESTIONS]
+    return base, nudger, base_prompts, nudger_prompts
+
+
+def test_cached_gamma_zero_is_base_greedy_and_above_one_is_nudger_greedy(same_tokenizer_models):
+    base, nudger, base_prompts, nudger_prompts = same_tokenizer_models
+    alone = nudge_cached(base, nudger, base_prompts, nudger_prompts, gamma=0.0, max_new_tokens=20)
+    every = nudge_cached(base, nudger, base_prompts, nudger_prompts, gamma=1.5, max_new_tokens=20)
+    for row in range(len(QUESTIONS)):
+        assert alone[row].text == base.continue_text(base_prompts[row], 20).text
+        assert alone[row].nudger_tokens == 0 and alone[row].rounds == 0
+        assert every[row].text == nudger.continue_text(nudger_prompts[row], 20).text
+        assert every[row].base_tokens == 0 and every[row].nudged_share == 1.0
+
+
+def test_cached_intermediate_gamma_follows_the_token_rule(same_tokenizer_models):
+    """Replays the rule step by step with full forward passes (no cache) and compares."""
+    base, nudger, base_prompts, nudger_prompts = same_tokenizer_models
+    top1 = base.continue_text(base_prompts[0], 16).top1
+    gamma = min(float(np.median(top1)), top1[0])  # the base writes the first token, is unsure later
+    fast = nudge_cached(base, nudger, base_prompts, nudger_prompts, gamma=gamma, max_new_tokens=16)
+    starts = word_start_table(base.tokenizer, 320)
+    for row in range(len(QUESTIONS)):
+        b_ids = base.tokenizer(base_prompts[row])["input_ids"]
+        n_ids = nudger.tokenizer(nudger_prompts[row])["input_ids"]
+        written, nudging, by_nudger = [], False, 0
+
+        def last_logits(model, ids):  # right-padded to one width: one compilation, causal so padding is inert
+            return np.asarray(model(np.array([ids + [0] * (64 - len(ids))]))[0, len(ids) - 1])
+
+        for _ in range(16):
+            b_logits, n_logits = last_logits(base.model, b_ids + written), last_logits(nudger.model, n_ids + written)
+            confident = float(jax.nn.softmax(b_logits).max()) >= gamma
+            b_tok, n_tok = int(b_logits.argmax()), int(n_logits.argmax())
+            nudging = not (starts[n_tok] and (confident or b_tok == n_tok)) if nudging else not confident
+            written.append(n_tok if nudging else b_tok)
+            by_nudger += nudging
+            if written[-1] == base.tokenizer.eos_token_id:
+                break
+        assert fast[row].text == base.tokenizer.decode(written, skip_special_tokens=True)
+        assert fast[row].nudger_tokens == by_nudger
+    assert sum(r.rounds for r in fast) >= 1 and sum(r.base_tokens for r in fast) >= 1
+
+
+def test_cached_needs_one_tokenizer(models, same_tokenizer_models):
+    base, nudger, nudger_prompt = models
+    with pytest.raises(ValueError, match="one tokenizer"):
+        nudge_cached(base, nudger, [PROMPT], [nudger_prompt])
+    base, nudger, base_prompts, _ = same_tokenizer_models
+    with pytest.raises(ValueError, match="as many"):
+        nudge_cached(base, nudger, base_prompts, base_prompts[:1])

@@ -2,7 +2,7 @@
 and Nudging (inference-time guidance of a base model by a small aligned model)."""
 
 from jaxalign.sampling.generate import Generation, generate, left_pad, sample, sample_logits, truncate_at_stop
-from jaxalign.sampling.nudging import NudgingResult, TextModel, nudge
+from jaxalign.sampling.nudging import NudgingResult, TextModel, nudge, nudge_cached
 
-__all__ = ["Generation", "NudgingResult", "TextModel", "generate", "left_pad", "nudge", "sample", "sample_logits",
-           "truncate_at_stop"]
+__all__ = ["Generation", "NudgingResult", "TextModel", "generate", "left_pad", "nudge", "nudge_cached", "sample",
+           "sample_logits", "truncate_at_stop"]

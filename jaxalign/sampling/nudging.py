@@ -17,15 +17,24 @@ A round, following the paper's rule (base first) with the official code's word-l
    row stops, and a repeated suffix of ≥ 30 characters is removed at the end.
 
 ``gamma = 0`` is the base model's greedy output exactly; ``gamma > 1`` hands every round to the nudging model.
+
+``nudge_cached`` is the same-tokenizer fast path (the official ``nudging_with_caching`` notebook's token-level
+variant, without its speculative drafting): both models keep a KV cache and advance together in one jitted loop,
+one token per step for a whole batch of questions, never re-reading the growing answer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from jaxalign.sampling.generate import left_pad, sample
+from jaxalign.models.llama import KVCache
+from jaxalign.sampling.generate import cache_bucket, left_pad, sample
 
 PROMPT_BUCKET = 64
 
@@ -141,3 +150,106 @@ def nudge(base: TextModel, nudger: TextModel, base_prompt: str, nudger_prompt: s
     answer = remove_repeated_suffix(answer)
     return NudgingResult(text=answer, rounds=rounds, nudged_words=nudged_words, total_words=len(answer.split()),
                          base_tokens=base_tokens, nudger_tokens=nudger_tokens)
+
+
+def word_start_table(tokenizer, vocab_size: int) -> np.ndarray:
+    """``[vocab_size]`` bool: the token's text starts a new word (leading whitespace, or a special token)."""
+    table = np.zeros(vocab_size, bool)
+    special = set(tokenizer.all_special_ids)
+    for token_id in range(min(vocab_size, len(tokenizer))):
+        text = tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        table[token_id] = token_id in special or (text[:1].isspace() if text else False)
+    return table
+
+
+@functools.partial(jax.jit, static_argnames=("base_graph", "nudger_graph", "base_cache", "nudger_cache", "pad_id"))
+def _nudge_loop(base_graph, base_state, nudger_graph, nudger_state, base_tokens, base_mask, nudger_tokens,
+                nudger_mask, word_start, gamma, max_new_tokens, eos_ids, *, base_cache: int, nudger_cache: int,
+                pad_id: int):
+    base, nudger = nnx.merge(base_graph, base_state), nnx.merge(nudger_graph, nudger_state)
+    batch = base_tokens.shape[0]
+    room = min(base_cache - base_tokens.shape[1], nudger_cache - nudger_tokens.shape[1])
+    base_out = base(base_tokens, base_mask, cache=KVCache.init(base.config, batch, base_cache))
+    nudger_out = nudger(nudger_tokens, nudger_mask, cache=KVCache.init(nudger.config, batch, nudger_cache))
+
+    def cond(carry):
+        return (carry[0] < max_new_tokens) & ~jnp.all(carry[7])
+
+    def body(carry):
+        step, b_cache, n_cache, b_logits, n_logits, tokens, by_nudger, done, nudging, rounds = carry
+        b_probs = jax.nn.softmax(b_logits.astype(jnp.float32), axis=-1)
+        b_top1, b_token = b_probs.max(-1), jnp.argmax(b_logits, -1).astype(jnp.int32)
+        n_token = jnp.argmax(n_logits, -1).astype(jnp.int32)
+        confident = b_top1 >= gamma
+        # while nudging, the base takes over only where the nudger starts a new word and the base is confident
+        # (or would write the same token); otherwise the base hands over as soon as it is unsure
+        take_over = word_start[n_token] & (confident | (b_token == n_token))
+        nudge_now = jnp.where(nudging, ~take_over, ~confident)
+        token = jnp.where(nudge_now, n_token, b_token)
+        rounds = rounds + (nudge_now & ~nudging & ~done).astype(jnp.int32)
+        token = jnp.where(done, pad_id, token)
+        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], step, 1)
+        by_nudger = jax.lax.dynamic_update_slice_in_dim(by_nudger, (nudge_now & ~done)[:, None], step, 1)
+        done = done | jnp.isin(token, eos_ids)
+        ones = jnp.ones((batch, 1), bool)
+        b_next, n_next = base(token[:, None], ones, cache=b_cache), nudger(token[:, None], ones, cache=n_cache)
+        return (step + 1, b_next.cache, n_next.cache, b_next.logits[:, -1], n_next.logits[:, -1], tokens, by_nudger,
+                done, nudge_now, rounds)
+
+    carry = (jnp.zeros((), jnp.int32), base_out.cache, nudger_out.cache, base_out.logits[:, -1],
+             nudger_out.logits[:, -1], jnp.full((batch, room), pad_id, jnp.int32), jnp.zeros((batch, room), bool),
+             jnp.zeros((batch,), bool), jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32))
+    result = jax.lax.while_loop(cond, body, carry)
+    return result[5], result[6], result[9]
+
+
+def nudge_cached(base: TextModel, nudger: TextModel, base_prompts: list[str], nudger_prompts: list[str], *,
+                 gamma: float = 0.3, max_new_tokens: int = 256) -> list[NudgingResult]:
+    """Token-level Nudging for a base and a nudging model that share one tokenizer, a batch of questions at once.
+
+    Each step the base model's greedy token is taken while its top-1 probability is at least ``gamma``; below it
+    the nudging model writes, and keeps writing until its next token starts a new word at which the base model is
+    confident again (or agrees). Both KV caches advance with every emitted token. ``gamma = 0`` is the base
+    model's greedy output; ``gamma > 1`` is the nudging model's greedy output. Word counts in the statistics
+    are whitespace words of the text each model wrote; ``rounds`` counts hand-overs to the nudging model.
+    """
+    if base.tokenizer.get_vocab() != nudger.tokenizer.get_vocab():
+        raise ValueError("nudge_cached needs one tokenizer for both models; use nudge() for different tokenizers")
+    if len(base_prompts) != len(nudger_prompts) or not base_prompts:
+        raise ValueError(f"need as many base prompts as nudger prompts (got {len(base_prompts)} and "
+                         f"{len(nudger_prompts)})")
+    vocab = base.model.config.vocab_size
+    if nudger.model.config.vocab_size != vocab:
+        raise ValueError(f"vocabulary sizes differ: base {vocab}, nudger {nudger.model.config.vocab_size}")
+
+    def encode(model: TextModel, prompts):
+        ids = [model.tokenizer(p, add_special_tokens=model.add_special_tokens)["input_ids"] for p in prompts]
+        width = -(-max(max(len(i) for i in ids), 1) // PROMPT_BUCKET) * PROMPT_BUCKET
+        return left_pad(ids, model.pad_id, width)
+
+    (b_tokens, b_mask), (n_tokens, n_mask) = encode(base, base_prompts), encode(nudger, nudger_prompts)
+    eos = tuple(sorted(set(base.eos_ids) | set(nudger.eos_ids))) or (-1,)
+    b_graph, b_state = nnx.split(base.model)
+    n_graph, n_state = nnx.split(nudger.model)
+    tokens, by_nudger, rounds = _nudge_loop(
+        b_graph, b_state, n_graph, n_state, jnp.asarray(b_tokens), jnp.asarray(b_mask), jnp.asarray(n_tokens),
+        jnp.asarray(n_mask), jnp.asarray(word_start_table(base.tokenizer, vocab)), jnp.asarray(gamma, jnp.float32),
+        jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(eos, jnp.int32),
+        base_cache=cache_bucket(b_tokens.shape[1] + max_new_tokens),
+        nudger_cache=cache_bucket(n_tokens.shape[1] + max_new_tokens), pad_id=base.pad_id)
+    tokens, by_nudger, rounds = np.asarray(tokens), np.asarray(by_nudger), np.asarray(rounds)
+    results = []
+    for row in range(len(base_prompts)):
+        ids = [int(t) for t in tokens[row, :max_new_tokens]]
+        flags = [bool(f) for f in by_nudger[row, :max_new_tokens]]
+        end = next((i for i, t in enumerate(ids) if t in eos), len(ids))
+        if end < len(ids):
+            end += 1  # the EOS was written by someone
+        ids, flags = ids[:end], flags[:end]
+        text = base.tokenizer.decode(ids, skip_special_tokens=True)
+        nudged_text = base.tokenizer.decode([t for t, f in zip(ids, flags, strict=True) if f],
+                                            skip_special_tokens=True)
+        results.append(NudgingResult(text=text, rounds=int(rounds[row]), nudged_words=len(nudged_text.split()),
+                                     total_words=len(text.split()), base_tokens=flags.count(False),
+                                     nudger_tokens=flags.count(True)))
+    return results
