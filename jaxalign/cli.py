@@ -9,7 +9,6 @@ data; write toy data). Errors are one-line messages, never a JAX traceback.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -241,11 +240,8 @@ def _load_any(path: str, dtype: str = "float32"):
 
 
 def cmd_route(args) -> int:
-    import numpy as np
-
-    from jaxalign.data.sater import numeric_verifier, threshold_prompt
     from jaxalign.data.sources import read_records
-    from jaxalign.sampling.routing import CostModel, RoutePoint, answer, cascade_point, pre_generation_point, summarize
+    from jaxalign.sampling.routing import CostModel, evaluate_routing, plot_routes, routing_table
     from jaxalign.train.evaluate import prompt_of
 
     records = [r for _, r in read_records(args.data) if isinstance(r, dict) and "answer" in r][: args.n]
@@ -254,74 +250,20 @@ def cmd_route(args) -> int:
     questions = [r.get("question") or prompt_of(r)[-1]["content"] for r in records]
     golds = [str(r["answer"]) for r in records]
     small, tokenizer = _load_any(args.small)
-    cost = CostModel(small_price=args.small_price, large_price=args.large_price)
-    if args.large == "solver":  # an exact solver: always right, costs the tokens of the bare answer
-        large_correct = [True] * len(golds)
-        large_tokens = [len(tokenizer(g, add_special_tokens=False)["input_ids"]) + 1 for g in golds]
-    else:
-        large, large_tokenizer = _load_any(args.large)
-        large_answers = answer(large, large_tokenizer, questions, max_new_tokens=args.max_new_tokens)
-        large_correct = [numeric_verifier(t[0], g) for t, g in zip(large_answers.texts, golds, strict=True)]
-        large_tokens = [n[0] for n in large_answers.n_tokens]
-    plain = answer(small, tokenizer, questions, max_new_tokens=args.max_new_tokens)
-    small_correct = [numeric_verifier(t[0], g) for t, g in zip(plain.texts, golds, strict=True)]
-    low = RoutePoint(0.0, float(np.mean(small_correct)),
-                     float(np.mean([n[0] * cost.small_price for n in plain.n_tokens])), 0.0)
-    high = RoutePoint(1.0, float(np.mean(large_correct)), float(np.mean([n * cost.large_price for n in large_tokens])),
-                      1.0)
-    taus = [float(t) for t in args.taus.split(",")]
-    curves = {"pre_generation": []}
-    for tau in taus:
-        routed = answer(small, tokenizer, [threshold_prompt(q, tau) for q in questions],
-                        max_new_tokens=args.max_new_tokens)
-        curves["pre_generation"].append(pre_generation_point(
-            tau, [t[0] for t in routed.texts], [n[0] for n in routed.n_tokens], large_correct, large_tokens, golds,
-            cost))
-    if args.cascade_samples > 0:
-        sampled = answer(small, tokenizer, questions, num_samples=args.cascade_samples, temperature=args.temperature,
-                         max_new_tokens=args.max_new_tokens, seed=1)
-        curves["cascade"] = [cascade_point(share, sampled, large_correct, large_tokens, golds, cost)
-                             for share in np.linspace(0.0, 1.0, 11)]
+    large = None if args.large == "solver" else _load_any(args.large)  # solver: exact, pays the bare answer
+    report = evaluate_routing(small, tokenizer, questions, golds, large=large,
+                              taus=[float(t) for t in args.taus.split(",")], cascade_samples=args.cascade_samples,
+                              temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                              cost=CostModel(small_price=args.small_price, large_price=args.large_price))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"questions": len(golds), "small_alone": dataclasses.asdict(low), "large_alone": dataclasses.asdict(high),
-              "curves": {k: [dataclasses.asdict(p) for p in v] for k, v in curves.items()},
-              "summary": {k: summarize(v, low, high, small_correct) for k, v in curves.items()}}
     (out / "route.json").write_text(json.dumps(report, indent=2))
-    lines = ["| mode | setting | accuracy | cost per question | routed |", "|---|---|---|---|---|",
-             f"| small alone | - | {100 * low.accuracy:.1f} % | {low.cost:.2f} | 0 % |",
-             f"| large alone | - | {100 * high.accuracy:.1f} % | {high.cost:.2f} | 100 % |"]
-    for mode, points in curves.items():
-        lines += [f"| {mode} | {p.setting:.2f} | {100 * p.accuracy:.1f} % | {p.cost:.2f} | {100 * p.routed:.0f} % |"
-                  for p in points]
-    lines += ["", *(f"{mode}: ToA {v['toa']:.3f} (random {v['toa_random']:.3f}, golden {v['toa_golden']:.3f}), "
-                    f"ToGR {v['togr']:.3f}" for mode, v in report["summary"].items())]
-    (out / "route.md").write_text("\n".join(lines) + "\n")
-    _plot_routes(curves, low, high, out / "route.png")
-    print("\n".join(lines))
+    text = routing_table(report)
+    (out / "route.md").write_text(text + "\n")
+    plot_routes(report, out / "route.png")
+    print(text)
     print(f"wrote {out / 'route.json'}, {out / 'route.md'}, {out / 'route.png'}")
     return 0
-
-
-def _plot_routes(curves, low, high, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    span = max(high.cost - low.cost, 1e-12)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([0, 1], [100 * low.accuracy, 100 * high.accuracy], "k--", label="random routing")
-    for mode, points in curves.items():
-        ordered = sorted(points, key=lambda p: p.cost)
-        ax.plot([(p.cost - low.cost) / span for p in ordered], [100 * p.accuracy for p in ordered], "o-", label=mode)
-    ax.set_xlabel("cost (0 = small model alone, 1 = large model alone)")
-    ax.set_ylabel("accuracy (%)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def cmd_export(args) -> int:

@@ -197,5 +197,86 @@ def summarize(curve: Sequence[RoutePoint], low: RoutePoint, high: RoutePoint, sm
             "togr": (toa - random) / (golden - random) if golden > random else float("nan")}
 
 
+# ------------------------------------------------------------------------------------------------ a whole study
+def evaluate_routing(small, tokenizer, questions: Sequence[str], golds: Sequence[str], *, large=None,
+                     taus: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.9), cascade_samples: int = 0,
+                     temperature: float = 1.0, max_new_tokens: int = 32, cost: CostModel = CostModel(),
+                     verifier: Callable[[str, str], bool] = numeric_verifier) -> dict:
+    """Small model alone, large model alone, pre-generation routing over ``taus`` (the small model answers under
+    each threshold prompt) and, with ``cascade_samples > 0``, cascade routing over vote-share thresholds.
+
+    ``large``: ``(model, tokenizer)`` or None for an exact solver (always right, paying the bare answer's tokens).
+    Returns ``{"small_alone", "large_alone", "curves", "summary", "refusal_rate"}`` (points as dicts).
+    """
+    if large is None:
+        large_correct = [True] * len(golds)
+        large_tokens = [len(tokenizer(g, add_special_tokens=False)["input_ids"]) + 1 for g in golds]
+    else:
+        large_answers = answer(large[0], large[1], questions, max_new_tokens=max_new_tokens)
+        large_correct = [verifier(t[0], g) for t, g in zip(large_answers.texts, golds, strict=True)]
+        large_tokens = [n[0] for n in large_answers.n_tokens]
+    plain = answer(small, tokenizer, questions, max_new_tokens=max_new_tokens)
+    small_correct = [verifier(t[0], g) for t, g in zip(plain.texts, golds, strict=True)]
+    low = RoutePoint(0.0, float(np.mean(small_correct)),
+                     float(np.mean([n[0] * cost.small_price for n in plain.n_tokens])), 0.0)
+    high = RoutePoint(1.0, float(np.mean(large_correct)), float(np.mean([n * cost.large_price for n in large_tokens])),
+                      1.0)
+    curves: dict[str, list[RoutePoint]] = {"pre_generation": []}
+    for tau in taus:
+        routed = answer(small, tokenizer, [threshold_prompt(q, tau) for q in questions], max_new_tokens=max_new_tokens)
+        curves["pre_generation"].append(pre_generation_point(
+            tau, [t[0] for t in routed.texts], [n[0] for n in routed.n_tokens], large_correct, large_tokens, golds,
+            cost))
+    if cascade_samples > 0:
+        sampled = answer(small, tokenizer, questions, num_samples=cascade_samples, temperature=temperature,
+                         max_new_tokens=max_new_tokens, seed=1)
+        curves["cascade"] = [cascade_point(share, sampled, large_correct, large_tokens, golds, cost)
+                             for share in np.linspace(0.0, 1.0, 11)]
+    return {"questions": len(golds), "small_alone": dataclasses.asdict(low), "large_alone": dataclasses.asdict(high),
+            "curves": {k: [dataclasses.asdict(p) for p in v] for k, v in curves.items()},
+            "summary": {k: summarize(v, low, high, small_correct) for k, v in curves.items()}}
+
+
+def routing_table(report: dict) -> str:
+    """The Markdown table (and ToA lines) of an ``evaluate_routing`` report."""
+    low, high = report["small_alone"], report["large_alone"]
+    lines = ["| mode | setting | accuracy | cost per question | routed |", "|---|---|---|---|---|",
+             f"| small alone | - | {100 * low['accuracy']:.1f} % | {low['cost']:.2f} | 0 % |",
+             f"| large alone | - | {100 * high['accuracy']:.1f} % | {high['cost']:.2f} | 100 % |"]
+    for mode, points in report["curves"].items():
+        lines += [f"| {mode} | {p['setting']:.2f} | {100 * p['accuracy']:.1f} % | {p['cost']:.2f} | "
+                  f"{100 * p['routed']:.0f} % |" for p in points]
+    lines += ["", *(f"{mode}: ToA {v['toa']:.3f} (random {v['toa_random']:.3f}, golden {v['toa_golden']:.3f}), "
+                    f"ToGR {v['togr']:.3f}" for mode, v in report["summary"].items())]
+    return "\n".join(lines)
+
+
+def plot_routes(report: dict, path, title: str = "") -> None:
+    """Accuracy against normalised cost for each routing mode, with the random-routing line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    low, high = report["small_alone"], report["large_alone"]
+    span = max(high["cost"] - low["cost"], 1e-12)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([0, 1], [100 * low["accuracy"], 100 * high["accuracy"]], "k--", label="random routing")
+    for mode, points in report["curves"].items():
+        ordered = sorted(points, key=lambda p: p["cost"])
+        ax.plot([(p["cost"] - low["cost"]) / span for p in ordered], [100 * p["accuracy"] for p in ordered], "o-",
+                label=mode)
+    ax.set_xlabel("cost (0 = small model alone, 1 = large model alone)")
+    ax.set_ylabel("accuracy (%)")
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 __all__ = ["Answers", "CostModel", "RoutePoint", "answer", "area", "build_stage1", "build_stage2", "cascade_point",
-           "chat_prompts", "golden_area", "pre_generation_point", "summarize", "threshold_prompt", "weighted_vote"]
+           "chat_prompts", "evaluate_routing", "golden_area", "plot_routes", "pre_generation_point", "routing_table",
+           "summarize", "threshold_prompt", "weighted_vote"]
