@@ -1,0 +1,124 @@
+"""Shared pieces of the studies: argument parsing, training a toy model through the public trainer, and writing
+results (JSON with the raw numbers, a Markdown table, PNG plots) into ``docs/results/``."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, str(REPO))
+
+from jaxalign.configs import base  # noqa: E402
+from jaxalign.train import train  # noqa: E402
+from jaxalign.train.export import restore_model  # noqa: E402
+
+# model shapes: the bundled tiny preset, a smaller "small" model, and the one-layer smoke size
+SHAPES = {
+    "tiny": dict(vocab_size=320, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2),
+    "small": dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1),
+    "smoke": dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1),
+}
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc.strip().splitlines()[0], epilog=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="a seconds-long run of the same code (used by the tests)")
+    p.add_argument("--out", default=str(REPO / "docs" / "results"), help="where the JSON, table and plots go")
+    p.add_argument("--workdir", default="", help="training runs (default: runs/experiments/<study>)")
+    p.add_argument("--seeds", default="", help="comma-separated seeds (default: the study's own)")
+    return p
+
+
+def seeds_of(args, default: tuple[int, ...], smoke: tuple[int, ...] = (0,)) -> list[int]:
+    if args.seeds:
+        return [int(s) for s in args.seeds.split(",")]
+    return list(smoke if args.smoke else default)
+
+
+def workdir_of(args, study: str) -> Path:
+    return Path(args.workdir) if args.workdir else REPO / "runs" / "experiments" / study
+
+
+def toy_config(workdir: Path, train_path, *, objective: str = "sft", steps: int, shape: str = "tiny",
+               seed: int = 0, batch_size: int = 32, lr: float = 3e-3, max_length: int = 64, warmup: int = 50,
+               params: dict | None = None, eval_path: str = "", reference: str = "model"):
+    """A training config on local JSONL files with the toy tokenizer, no mid-run evals, quiet."""
+    config = base.get_config()
+    config.seed = seed
+    config.workdir = str(workdir)
+    config.tokenizer = "toy"
+    config.model.shape.update(SHAPES[shape])
+    config.data.train = str(train_path)
+    config.data.eval = str(eval_path)
+    config.data.max_length = max_length
+    config.objective.name = objective
+    for key, value in (params or {}).items():
+        config.objective.params[key] = value
+    config.reference.kind = reference
+    config.optim.lr = lr
+    config.optim.warmup_steps = min(warmup, max(steps // 5, 1))
+    config.train.update(steps=steps, batch_size=batch_size, log_every=max(steps // 4, 1), eval_every=0,
+                        save_every=steps, keep_checkpoints=1, resume=False)
+    config.eval.generate = 0
+    config.logging.update(tensorboard=False, plot=False, progress=False)
+    return config
+
+
+def train_model(config):
+    """Trains from scratch (a stale run folder is cleared) and returns ``(model, tokenizer, summary)``."""
+    import shutil
+
+    shutil.rmtree(config.workdir, ignore_errors=True)
+    summary = train(config)
+    model, tokenizer, _ = restore_model(config.workdir)
+    return model, tokenizer, summary
+
+
+def mean_std(values) -> tuple[float, float]:
+    values = np.asarray(values, np.float64)
+    return float(values.mean()), float(values.std(ddof=1)) if len(values) > 1 else 0.0
+
+
+def pm(values, scale: float = 1.0, digits: int = 1) -> str:
+    mean, std = mean_std(np.asarray(values) * scale)
+    return f"{mean:.{digits}f} ± {std:.{digits}f}" if len(values) > 1 else f"{mean:.{digits}f}"
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    return {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
+            "cpu_cores": os.cpu_count(), "devices": jax.device_count(), "backend": jax.default_backend(),
+            "jax": jax.__version__, "python": platform.python_version()}
+
+
+def write(out: str | Path, study: str, *, command: str, results: dict, markdown: str, started: float) -> Path:
+    """``<out>/<study>.json`` (raw numbers + environment) and ``<out>/<study>.md`` (the table), printed too."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {**environment(), "command": command, "seconds": round(time.time() - started, 1)}
+    (out / f"{study}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    header = f"Command: `{command}` — {meta['date']}, {meta['seconds']:.0f} s on {meta['backend']}.\n\n"
+    (out / f"{study}.md").write_text(header + markdown + "\n")
+    print(header + markdown, flush=True)
+    return out / f"{study}.md"
+
+
+def command_line(study: str, argv: list[str]) -> str:
+    return " ".join(["python", f"experiments/{study}.py", *argv])

@@ -1,0 +1,35 @@
+"""Every study in experiments/ runs end to end at --smoke size and writes its JSON, table and plots."""
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
+STUDIES = sorted(p.stem for p in EXPERIMENTS.glob("*.py") if p.stem != "common")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def experiments_on_path():
+    sys.path.insert(0, str(EXPERIMENTS))
+    yield
+    sys.path.remove(str(EXPERIMENTS))
+
+
+@pytest.mark.parametrize("study", STUDIES)
+def test_study_runs_at_smoke_size(study, tmp_path):
+    module = importlib.import_module(study)
+    results = module.main(["--smoke", "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "runs")])
+    assert results
+    written = json.loads((tmp_path / "out" / f"{study}.json").read_text())
+    assert written["meta"]["command"].startswith(f"python experiments/{study}.py --smoke")
+    assert (tmp_path / "out" / f"{study}.md").read_text().startswith("Command: `python experiments/")
+    assert list((tmp_path / "out").glob(f"{study}*.png")), "each study draws at least one figure"
+
+
+def test_every_study_has_a_docstring_and_main():
+    for study in STUDIES:
+        text = (EXPERIMENTS / f"{study}.py").read_text()
+        assert text.startswith('"""') and "def main(argv" in text and 'if __name__ == "__main__"' in text
