@@ -122,3 +122,38 @@ def write(out: str | Path, study: str, *, command: str, results: dict, markdown:
 
 def command_line(study: str, argv: list[str]) -> str:
     return " ".join(["python", f"experiments/{study}.py", *argv])
+
+
+def completion_logps(model, tokenizer, prompts: list[str], completions: list[str], batch_size: int = 64):
+    """Summed log-probabilities ``[N]`` of each completion after its chat prompt (the completion ends with EOS)."""
+    import jax.numpy as jnp
+
+    from jaxalign.losses import token_logps
+
+    rows, spans = [], []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        head = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=True)["input_ids"]
+        tail = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append(head + tail)
+        spans.append((len(head), len(head) + len(tail)))
+    width = max(len(r) for r in rows)
+    out = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        chunk = chunk + [chunk[-1]] * (batch_size - len(chunk))
+        chunk_spans = spans[start:start + batch_size] + [spans[len(rows) - 1]] * (batch_size - len(rows[start:]))
+        ids, mask = np.zeros((batch_size, width), np.int32), np.zeros((batch_size, width), np.int32)
+        for i, (r, (lo, hi)) in enumerate(zip(chunk, chunk_spans, strict=True)):
+            ids[i, : len(r)], mask[i, lo:hi] = r, 1
+        per_token = token_logps(model(jnp.asarray(ids)), jnp.asarray(ids), jnp.asarray(mask))
+        out.extend(np.asarray(per_token.sum(-1))[: min(batch_size, len(rows) - start)].tolist())
+    return np.asarray(out)
+
+
+def expected_calibration_error(confidence, correct, bins: int = 10) -> float:
+    confidence, correct = np.asarray(confidence, float), np.asarray(correct, float)
+    edges = np.linspace(0, 1, bins + 1)
+    index = np.clip(np.digitize(confidence, edges[1:-1]), 0, bins - 1)
+    return float(sum(abs(confidence[index == b].mean() - correct[index == b].mean()) * (index == b).mean()
+                     for b in range(bins) if (index == b).any()))

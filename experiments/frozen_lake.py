@@ -223,8 +223,8 @@ def main(argv: list[str] | None = None) -> dict:
         distinct = [len(set(v)) for v in r["visited"]]
         rows.append([method, pm(r["mse"], 1, 4), pm(r["mse_on_route"], 1, 4),
                      f"{100 * np.mean(r['reaches_gift']):.0f}", pm(distinct, 1, 1)])
-    markdown = table(["policy", f"MSE vs optimal (all {int(live.sum())} non-terminal states)", "MSE on the optimal route's states",
-                      "greedy roll-out reaches the gift %", "cells visited"], rows)
+    markdown = table(["policy", f"MSE vs optimal (all {int(live.sum())} non-terminal states)",
+                      "MSE on the optimal route's states", "greedy roll-out reaches the gift %", "cells visited"], rows)
     order = sorted(METHODS, key=lambda m: np.mean(results[m]["mse"]))
     markdown += (f"\n\nOrdering by mean MSE (best first): {' < '.join(order)}. The paper reports DPO ≤ IFT < ORPO, "
                  "SFT."

@@ -1,8 +1,8 @@
 """Nudging on toy models: a base model that knows arithmetic but answers in a noisy format, nudged by a small
 chat model that knows the format but little arithmetic.
 
-The "base" (4 layers × 128) is trained on raw transcripts: arithmetic facts ("7 + 5 = 12."), and question/answer
-transcripts in which the answer is, with equal odds, a refusal ("I don't know."), a digression (another
+The "base" (4 layers × 128) is trained on raw text: arithmetic facts ("What is 7 + 5? The answer is 12."), and
+question/answer transcripts in which the answer is, with equal odds, a refusal ("I don't know."), a digression (another
 question), or "The answer is N.". Greedy decoding of the base alone rarely answers. The "aligned" model (2 layers
 × 64) is trained briefly on chat-format SFT ("The answer is N."), so it follows the format but is weak at the
 sums. Nudging (same toy tokenizer, so the KV-cached fast path `nudge_cached`) lets the aligned model write where
@@ -56,8 +56,8 @@ def base_corpus(n: int, seed: int, held_out: set[str]) -> list[dict]:
     records = []
     for i in range(n):
         (expr, value), (other, _) = pool[i], pool[(i + 7) % len(pool)]
-        if i % 2 == 0:
-            records.append({"text": f"{expr} = {value}."})
+        if i % 2 == 0:  # arithmetic "facts" in the answer phrase, outside the question/answer frame
+            records.append({"text": f"What is {expr}? The answer is {value}."})
             continue
         style = STYLES[int(rng.integers(3))]
         answer = {"refuse": "I don't know.", "digress": f"Next one. Question: What is {other}?",
@@ -89,7 +89,7 @@ def run_seed(seed: int, sizes: dict, workdir, smoke: bool) -> dict:
     base_model, tokenizer, _ = train_model(base_cfg)
     small_model, _, _ = train_model(small_cfg)
     base, nudger = TextModel(base_model, tokenizer), TextModel(small_model, tokenizer)
-    base_prompts = [f"Question: What is {expr}?\nAnswer:" for expr, _ in held]
+    base_prompts = [f"Question: What is {expr}?\nAnswer: " for expr, _ in held]
     chat_prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"What is {expr}?"}],
                                                   add_generation_prompt=True, tokenize=False) for expr, _ in held]
     rows = {}
@@ -115,9 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser(__doc__).parse_args(argv)
     started = time.time()
     sizes = (dict(base_records=200, chat_records=64, base_steps=4, chat_steps=4, eval=8, word_level=2) if args.smoke
-             else dict(base_records=12_000, chat_records=2_000, base_steps=1200, chat_steps=250, eval=200,
+             else dict(base_records=12_000, chat_records=2_000, base_steps=1500, chat_steps=150, eval=200,
                        word_level=40))
-    seeds = seeds_of(args, (0, 1))
+    seeds = seeds_of(args, (0,))
     per_seed = [run_seed(seed, sizes, workdir_of(args, STUDY), args.smoke) for seed in seeds]
     rows = []
     for gamma in GAMMAS:
