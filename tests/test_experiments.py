@@ -33,3 +33,22 @@ def test_every_study_has_a_docstring_and_main():
     for study in STUDIES:
         text = (EXPERIMENTS / f"{study}.py").read_text()
         assert text.startswith('"""') and "def main(argv" in text and 'if __name__ == "__main__"' in text
+
+
+@pytest.mark.parametrize("study", ["frozen_lake", "sft_vs_ift"])
+def test_rerunning_a_study_with_the_same_seed_reproduces_its_numbers(study, tmp_path):
+    module = importlib.import_module(study)
+    runs = []
+    for attempt in range(2):
+        module.main(["--smoke", "--out", str(tmp_path / f"out{attempt}"), "--workdir", str(tmp_path / "runs")])
+        results = json.loads((tmp_path / f"out{attempt}" / f"{study}.json").read_text())["results"]
+        runs.append(json.dumps(_without_timings(results), sort_keys=True))
+    assert runs[0] == runs[1]
+
+
+def _without_timings(value):
+    if isinstance(value, dict):
+        return {k: _without_timings(v) for k, v in value.items() if "seconds" not in k}
+    if isinstance(value, list):
+        return [_without_timings(v) for v in value]
+    return value
