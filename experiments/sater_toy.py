@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from common import command_line, parser, pm, seeds_of, table, toy_config, train_model, workdir_of, write
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
                        dpo_lr=2e-4, stage2_steps=400, stage2_lr=1e-3, cascade=8))
     seeds = seeds_of(args, (0,))
     sizes["plot_seed"] = seeds[0]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     per_seed = [run_seed(s, sizes, workdir_of(args, STUDY), args.smoke, args.out) for s in seeds]
 
     def col(stage, key, scale=1.0):
