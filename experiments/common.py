@@ -125,10 +125,10 @@ def command_line(study: str, argv: list[str]) -> str:
 
 
 def completion_logps(model, tokenizer, prompts: list[str], completions: list[str], batch_size: int = 64):
-    """Summed log-probabilities ``[N]`` of each completion after its chat prompt (the completion ends with EOS)."""
+    """``(summed log-probs [N], token counts [N])`` of each completion (ending with EOS) after its chat prompt."""
     import jax.numpy as jnp
 
-    from jaxalign.losses import token_logps
+    from jaxalign.losses import sequence_logps
 
     rows, spans = [], []
     for prompt, completion in zip(prompts, completions, strict=True):
@@ -138,17 +138,16 @@ def completion_logps(model, tokenizer, prompts: list[str], completions: list[str
         rows.append(head + tail)
         spans.append((len(head), len(head) + len(tail)))
     width = max(len(r) for r in rows)
-    out = []
+    sums, counts = [], []
     for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
-        chunk = chunk + [chunk[-1]] * (batch_size - len(chunk))
-        chunk_spans = spans[start:start + batch_size] + [spans[len(rows) - 1]] * (batch_size - len(rows[start:]))
+        real = len(rows[start:start + batch_size])
         ids, mask = np.zeros((batch_size, width), np.int32), np.zeros((batch_size, width), np.int32)
-        for i, (r, (lo, hi)) in enumerate(zip(chunk, chunk_spans, strict=True)):
-            ids[i, : len(r)], mask[i, lo:hi] = r, 1
-        per_token = token_logps(model(jnp.asarray(ids)), jnp.asarray(ids), jnp.asarray(mask))
-        out.extend(np.asarray(per_token.sum(-1))[: min(batch_size, len(rows) - start)].tolist())
-    return np.asarray(out)
+        for i, (r, (lo, hi)) in enumerate(zip(rows[start:start + real], spans[start:start + real], strict=True)):
+            ids[i, : len(r)], mask[i, lo:hi] = r, 1  # right-padded; the unused rows of the last batch stay empty
+        total, n = sequence_logps(model(jnp.asarray(ids)), jnp.asarray(ids), jnp.asarray(mask))
+        sums.extend(np.asarray(total)[:real].tolist())
+        counts.extend(np.asarray(n)[:real].tolist())
+    return np.asarray(sums), np.asarray(counts)
 
 
 def expected_calibration_error(confidence, correct, bins: int = 10) -> float:

@@ -55,8 +55,8 @@ def avg_logps(model, tokenizer, records) -> dict:
         prompts = [r[f"{side}_conversations"][0]["value"] for r in records]
         for kind in ("chosen", "rejected"):
             texts = [r[f"{side}_{kind}"]["value"] for r in records]
-            lengths = np.array([len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts])
-            out[f"{side}_{kind}"] = completion_logps(model, tokenizer, prompts, texts) / lengths
+            total, n_tokens = completion_logps(model, tokenizer, prompts, texts)
+            out[f"{side}_{kind}"] = total / n_tokens
     return out
 
 

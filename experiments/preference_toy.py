@@ -40,8 +40,8 @@ def evaluate(model, tokenizer, held: list[dict]) -> dict:
     questions = [r["prompt"][0]["content"] for r in held]
     out = answer(model, tokenizer, questions, max_new_tokens=8)
     accuracy = float(np.mean([numeric_verifier(t[0], r["answer"]) for t, r in zip(out.texts, held, strict=True)]))
-    chosen = completion_logps(model, tokenizer, questions, [r["chosen"][0]["content"] for r in held])
-    rejected = completion_logps(model, tokenizer, questions, [r["rejected"][0]["content"] for r in held])
+    chosen, _ = completion_logps(model, tokenizer, questions, [r["chosen"][0]["content"] for r in held])
+    rejected, _ = completion_logps(model, tokenizer, questions, [r["rejected"][0]["content"] for r in held])
     return {"accuracy": accuracy, "pair_accuracy": float((chosen > rejected).mean()),
             "margin": float((chosen - rejected).mean())}
 

@@ -61,9 +61,13 @@ class TextModel:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
 
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Left-padded ``(tokens, mask)``, the width rounded up to a multiple of ``PROMPT_BUCKET``."""
+        ids = [self.tokenizer(t, add_special_tokens=self.add_special_tokens)["input_ids"] for t in texts]
+        return left_pad(ids, self.pad_id, -(-max(max(len(i) for i in ids), 1) // PROMPT_BUCKET) * PROMPT_BUCKET)
+
     def continue_text(self, text: str, max_new_tokens: int, *, stop_below: float = 0.0) -> Continuation:
-        ids = self.tokenizer(text, add_special_tokens=self.add_special_tokens)["input_ids"]
-        tokens, mask = left_pad([ids], self.pad_id, -(-max(len(ids), 1) // PROMPT_BUCKET) * PROMPT_BUCKET)
+        tokens, mask = self.encode([text])
         out = sample(self.model, tokens, prompt_mask=mask, max_new_tokens=max(max_new_tokens, 1),
                      eos_id=self.eos_ids or None, pad_id=self.pad_id, stop_below=stop_below)
         n = int(out.lengths[0])
@@ -222,12 +226,7 @@ def nudge_cached(base: TextModel, nudger: TextModel, base_prompts: list[str], nu
     if nudger.model.config.vocab_size != vocab:
         raise ValueError(f"vocabulary sizes differ: base {vocab}, nudger {nudger.model.config.vocab_size}")
 
-    def encode(model: TextModel, prompts):
-        ids = [model.tokenizer(p, add_special_tokens=model.add_special_tokens)["input_ids"] for p in prompts]
-        width = -(-max(max(len(i) for i in ids), 1) // PROMPT_BUCKET) * PROMPT_BUCKET
-        return left_pad(ids, model.pad_id, width)
-
-    (b_tokens, b_mask), (n_tokens, n_mask) = encode(base, base_prompts), encode(nudger, nudger_prompts)
+    (b_tokens, b_mask), (n_tokens, n_mask) = base.encode(base_prompts), nudger.encode(nudger_prompts)
     eos = tuple(sorted(set(base.eos_ids) | set(nudger.eos_ids))) or (-1,)
     b_graph, b_state = nnx.split(base.model)
     n_graph, n_state = nnx.split(nudger.model)
