@@ -43,9 +43,10 @@ def is_refusal(text: str, *, threshold: float = 0.8) -> bool:
 
 
 def threshold_prompt(question: str, tau: float) -> str:
-    """The stage-II prompt: the question plus the threshold, always formatted with one decimal."""
-    return (f"{question}\n\nAnswer only if you are at least {tau:.1f} confident; otherwise reply exactly "
-            f"\"{REFUSAL}\"")
+    """The stage-II prompt: the threshold instruction (τ with one decimal), then the question last, so the question
+    stays right before the answer as in ordinary prompts (small models lose the question behind a long suffix)."""
+    return (f"Answer only if you are at least {tau:.1f} confident; otherwise reply exactly \"{REFUSAL}\"\n\n"
+            f"{question}")
 
 
 def stage1_pair(record: dict[str, Any], count_tokens: Callable[[str], int]) -> dict[str, Any] | None:
