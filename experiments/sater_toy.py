@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = (dict(sft_records=300, sample_questions=24, eval=16, k=4, sft_steps=4, dpo_steps=2, dpo_lr=1e-4,
                   stage2_steps=2, stage2_lr=1e-4, cascade=2) if args.smoke
              else dict(sft_records=4000, sample_questions=800, eval=200, k=8, sft_steps=1500, dpo_steps=100,
-                       dpo_lr=5e-5, stage2_steps=300, stage2_lr=5e-4, cascade=8))
+                       dpo_lr=5e-5, stage2_steps=500, stage2_lr=5e-4, cascade=8))
     seeds = seeds_of(args, (0,))
     sizes["plot_seed"] = seeds[0]
     Path(args.out).mkdir(parents=True, exist_ok=True)
