@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     for seed in seeds:
         held = mpo_records(sizes["eval"], 10_000 + seed)
         held_q = {r["source_conversations"][0]["value"] for r in held}
-        pool = [r for r in mpo_records(sizes["dominant"] + sizes["pairs"], seed)
+        # only 441 distinct sums exist: draw three times what is needed, so enough remain after holding out
+        pool = [r for r in mpo_records(3 * (sizes["dominant"] + sizes["pairs"]), seed)
                 if r["source_conversations"][0]["value"] not in held_q]
         sft_pool, pair_pool = pool[: sizes["dominant"]], pool[sizes["dominant"]:]
         sft = sft_records(sft_pool, "source") + sft_records(sft_pool[: sizes["target"]], "target")
