@@ -48,6 +48,12 @@ def get_config(arg=None):
         steps=600, batch_size=32, grad_accum=1, log_every=25, eval_every=200, save_every=200, keep_checkpoints=2,
         nan_guard=True, resume=True))
     config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    # Several processes (TPU pod hosts, SLURM tasks, one process per GPU node): "auto" joins when the environment
+    # says so (SLURM, Open MPI, a multi-host TPU slice, JAX_COORDINATOR_ADDRESS); set the coordinator by hand for
+    # anything else. See launch/README.md.
+    config.distributed = ml_collections.ConfigDict(dict(
+        mode="auto", coordinator_address="", num_processes=0, process_id=-1, local_device_ids="",
+        initialization_timeout=300))
 
     config.eval = ml_collections.ConfigDict(dict(batches=4, generate=200, max_new_tokens=8))
     config.logging = ml_collections.ConfigDict(dict(tensorboard=True, wandb=False, wandb_project="jaxalign",

@@ -143,6 +143,15 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     if config.data.packing and name in OBJECTIVE_KINDS and OBJECTIVE_KINDS[name] != "sft":
         problems.append(f"data.packing is supported for sft/ift training, not {name} (packed preference training "
                         "is a data-side feature for now)")
+    dist = config.get("distributed")
+    if dist is not None:
+        if dist.mode not in ("auto", "on", "off"):
+            problems.append(f"distributed.mode={dist.mode!r}; choose auto, on or off")
+        if dist.coordinator_address and ":" not in dist.coordinator_address:
+            problems.append(f"distributed.coordinator_address={dist.coordinator_address!r} needs HOST:PORT")
+        if dist.num_processes < 0 or (dist.num_processes and not -1 <= dist.process_id < dist.num_processes):
+            problems.append(f"distributed.process_id={dist.process_id} must be in [0, distributed.num_processes="
+                            f"{dist.num_processes})")
     if not config.model.path and config.model.preset != "tiny":
         problems.append("model.path is empty: set it to a Hugging Face folder or .gguf file")
     if not config.model.path and not config.tokenizer:

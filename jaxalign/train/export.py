@@ -45,7 +45,10 @@ def restore_model(checkpoint: str | Path):
     tx, _ = make_optimizer(optim_config, steps)
     graphdef, state = nnx.split(abstract_model(model_config))
     abstract_params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(state))
-    target = jax.eval_shape(lambda p: init_state(p, tx, 0, None), abstract_params)
+    # Restored onto this process's first device, whatever mesh (or number of hosts) wrote the checkpoint.
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here),
+                          jax.eval_shape(lambda p: init_state(p, tx, 0, None), abstract_params))
     manager = ocp.CheckpointManager(run_dir / "checkpoints")
     step = manager.latest_step() if step is None else step
     if step is None:

@@ -34,7 +34,7 @@ from jaxalign.data.sources import read_records
 from jaxalign.data.toy import GENERATORS, toy_tokenizer, write_jsonl
 from jaxalign.models import LlamaConfig, abstract_model, create_model, load_pretrained
 from jaxalign.objectives import get_objective, make_params
-from jaxalign.parallel import make_mesh
+from jaxalign.parallel import distributed, make_mesh
 from jaxalign.train import reference_cache
 from jaxalign.train.config import validate
 from jaxalign.train.evaluate import exact_match, make_eval_step
@@ -290,6 +290,7 @@ class _Stop:
 def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """Runs (or resumes) training; returns a summary with the paths written."""
     start_time = time.time()
+    distributed.initialize(config.get("distributed"))
     run = setup(config)
     cfg = config.train
     if cfg.resume:

@@ -133,9 +133,12 @@ def multitask(n: int, seed: int = 0, *, tasks: Iterable[str] = TASKS, max_operan
 def write_jsonl(records: Iterable[dict], path: str | os.PathLike) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as handle:
+    # Written aside and renamed: processes of one job that share a folder never read a half-written file.
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    with tmp.open("w", encoding="utf-8") as handle:
         for record in records:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    os.replace(tmp, out)
     return out
 
 

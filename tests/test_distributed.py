@@ -1,0 +1,88 @@
+"""Multi-process training: 2 processes x 4 fake CPU devices joined by ``jax.distributed`` over loopback train with
+FSDP across the processes, checkpoint, resume, and end with the parameters of a one-process, 8-device run."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from test_train import SMALL
+
+from jaxalign.parallel.distributed import detect_cluster, initialize
+from jaxalign.train import load_config, train
+from jaxalign.train.export import restore_model
+
+# Constant learning rate: 6 steps then 6 more (a resume) equal 12 uninterrupted steps.
+COMMON = [*SMALL, "--config.optim.schedule=constant", "--config.optim.warmup_steps=0", "--config.train.save_every=3",
+          "--config.eval.generate=0", "--config.data.eval=", "--config.mesh.data=1", "--config.mesh.fsdp=-1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(workdir, steps: int, name: str = "dpo", processes: int = 2, timeout: int = 300) -> list[str]:
+    port = free_port()
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // processes}",
+           "PYTHONUNBUFFERED": "1"}
+    procs = []
+    for i in range(processes):
+        command = [sys.executable, "-m", "jaxalign.cli", "train", "--config", name, *COMMON,
+                   f"--config.workdir={workdir}", f"--config.train.steps={steps}",
+                   f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+                   f"--config.distributed.num_processes={processes}", f"--config.distributed.process_id={i}"]
+        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for p, out in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    return outputs
+
+
+def params_of(workdir):
+    model, _, step = restore_model(workdir)
+    return step, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo"])
+def test_two_processes_with_resume_equal_one_process(name, tmp_path):
+    outputs = launch(tmp_path / "multi", 6, name)
+    assert "step 6/6" in outputs[0] and "step 6/6" not in outputs[1]  # process 0 logs, process 1 stays quiet
+    outputs = launch(tmp_path / "multi", 12, name)
+    assert "resumed from" in outputs[0] and "at step 6" in outputs[0]
+    train(load_config(name, [*COMMON, f"--config.workdir={tmp_path / 'single'}", "--config.train.steps=12"]))
+    step_a, multi = params_of(tmp_path / "multi")
+    step_b, single = params_of(tmp_path / "single")
+    assert step_a == step_b == 12
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(multi), jax.tree.leaves(single),
+                                                          strict=True))
+    print(f"{name}: largest parameter difference, 2 processes vs 1: {worst:.2e}")
+    assert worst <= 1e-5, worst
+    steps = [json.loads(line)["step"] for line in (tmp_path / "multi" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [5, 6, 10, 12]  # each row written once (by process 0), the resume continues at step 7
+
+
+def test_cluster_detection():
+    assert detect_cluster({}) is None
+    assert detect_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}) is None
+    assert detect_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}) == "slurm"
+    assert detect_cluster({"OMPI_COMM_WORLD_SIZE": "2"}) == "openmpi"
+    assert detect_cluster({"TPU_WORKER_HOSTNAMES": "w0,w1"}) == "tpu"
+    assert detect_cluster({"TPU_WORKER_HOSTNAMES": "localhost"}) is None
+    assert detect_cluster({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}) == "explicit"
+    assert initialize({"mode": "auto"}) is False  # one process here: nothing to join
+    with pytest.raises(ValueError, match=r"distributed.mode='sometimes'"):
+        initialize({"mode": "sometimes"})
