@@ -211,6 +211,24 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from jaxalign.plan import HARDWARE, plan
+    from jaxalign.train import load_config
+
+    config = load_config(args.config, args.overrides)
+    if args.hardware and args.hardware.lower() not in HARDWARE:
+        raise ValueError(f"--hardware {args.hardware!r} is unknown; choose one of {', '.join(HARDWARE)} or give "
+                         "--memory-gb")
+    import jax
+
+    result = plan(config, args.devices or jax.device_count())
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.table(args.hardware, args.memory_gb))
+    return 0
+
+
 def cmd_cpi(args) -> int:
     from jaxalign.cpi.pipeline import run
     from jaxalign.train import load_config
@@ -299,6 +317,19 @@ def build_parser() -> argparse.ArgumentParser:
                                          "Interrupting (SIGTERM / Ctrl-C) saves a checkpoint; rerunning resumes.")
     tr.add_argument("--config", default="default", help="config name or .py path, optionally :PRESET")
     tr.set_defaults(func=cmd_train)
+
+    pl = commands.add_parser("plan", help="per-device memory of a training config on N devices (no allocation)",
+                             description="Prints per-device bytes of parameters, optimizer state, gradients, the "
+                                         "reference model and an activation estimate for the config's mesh on "
+                                         "--devices devices, e.g. jaxalign plan --config dpo:llama3_8b --devices 64 "
+                                         "--hardware v5p. Accepts --config.FIELD=VALUE overrides like train.")
+    pl.add_argument("--config", default="default", help="config name or .py path, optionally :PRESET")
+    pl.add_argument("--devices", type=int, default=0, help="number of devices (default: the ones visible here)")
+    pl.add_argument("--hardware", default="", help="compare with a device's memory: v4, v5e, v5p, v6e, a100, h100, "
+                                                   "h200, b200")
+    pl.add_argument("--memory-gb", type=float, default=0.0, help="compare with this many GB per device")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plan)
 
     cp = commands.add_parser("cpi", help="CPI-FT: probe fine-tunes, core masks, groups, fusion, staged SFT",
                              description="Runs CPI-FT and its baselines (multi-task and sequential SFT) and writes a "
@@ -392,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if argv[:1] in (["train"], ["cpi"]):
+    if argv[:1] in (["train"], ["cpi"], ["plan"]):
         args, rest = parser.parse_known_args(argv)
         unknown = [a for a in rest if not a.startswith("--config.")]
         if unknown:

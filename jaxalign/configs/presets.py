@@ -25,8 +25,9 @@ def smollm2(config):
     return config
 
 
-def _large(config, path_hint: str):
+def _large(config, path_hint: str, architecture: str):
     config.model.path = path_hint
+    config.model.preset = architecture  # `jaxalign plan` knows its shape without the weights
     config.tokenizer = ""
     config.model.dtype = "bfloat16"
     config.model.param_dtype = "float32"
@@ -44,11 +45,11 @@ def _large(config, path_hint: str):
 
 
 def llama3_8b(config):
-    return _large(config, "/path/to/Meta-Llama-3-8B-Instruct")
+    return _large(config, "/path/to/Meta-Llama-3-8B-Instruct", "llama3_8b")
 
 
 def qwen25_7b(config):
-    return _large(config, "/path/to/Qwen2.5-7B-Instruct")
+    return _large(config, "/path/to/Qwen2.5-7B-Instruct", "qwen25_7b")
 
 
 PRESETS = {"tiny": tiny, "smollm2": smollm2, "llama3_8b": llama3_8b, "qwen25_7b": qwen25_7b}

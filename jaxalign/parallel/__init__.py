@@ -9,6 +9,7 @@ from jaxalign.parallel.mesh import (
     logical_sharding,
     logical_to_spec,
     make_mesh,
+    mesh_sizes,
     shard_batch,
     use_rules,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "logical_sharding",
     "logical_to_spec",
     "make_mesh",
+    "mesh_sizes",
     "shard_batch",
     "use_rules",
 ]

@@ -37,21 +37,14 @@ DEFAULT_RULES: Rules = (
     ("length", None),
     ("act_embed", None),
     ("layers", None),
+    ("lora_rank", None),
 )
 
 _ACTIVE_RULES: contextvars.ContextVar[Rules] = contextvars.ContextVar("jaxalign_rules", default=DEFAULT_RULES)
 
 
-def make_mesh(
-    shape: Mapping[str, int] | Sequence[tuple[str, int]] | None = None,
-    devices: Sequence[jax.Device] | None = None,
-) -> Mesh:
-    """Builds a mesh with Auto axes from ``{axis_name: size}``; one size may be ``-1`` (fill).
-
-    ``make_mesh()`` puts every device on ``data``. ``make_mesh({"data": 2, "fsdp": -1, "tensor": 2})`` on
-    8 devices gives a (2, 2, 2) mesh. Sizes must multiply to the number of devices.
-    """
-    devices = list(jax.devices() if devices is None else devices)
+def mesh_sizes(shape: Mapping[str, int] | Sequence[tuple[str, int]] | None, num_devices: int) -> dict[str, int]:
+    """``{axis: size}`` with the one ``-1`` axis filled so that the sizes multiply to ``num_devices``."""
     if shape is None:
         shape = {"data": -1, "fsdp": 1, "tensor": 1}
     items = list(shape.items()) if isinstance(shape, Mapping) else [tuple(item) for item in shape]
@@ -66,16 +59,30 @@ def make_mesh(
         raise ValueError(f"mesh axis sizes must be positive or -1, got {dict(items)}")
     fixed = math.prod(size for size in sizes if size != -1)
     if n_fill:
-        if len(devices) % fixed:
+        if num_devices % fixed:
             raise ValueError(
                 f"mesh {dict(items)}: the fixed axes multiply to {fixed}, which does not divide the "
-                f"{len(devices)} available devices")
-        sizes = [len(devices) // fixed if size == -1 else size for size in sizes]
-    if math.prod(sizes) != len(devices):
+                f"{num_devices} available devices")
+        sizes = [num_devices // fixed if size == -1 else size for size in sizes]
+    if math.prod(sizes) != num_devices:
         raise ValueError(
             f"mesh {dict(zip(names, sizes, strict=True))} needs {math.prod(sizes)} devices but "
-            f"{len(devices)} are available; set one axis to -1 to fill")
-    return jax.make_mesh(tuple(sizes), tuple(names), axis_types=(AxisType.Auto,) * len(names),
+            f"{num_devices} are available; set one axis to -1 to fill")
+    return dict(zip(names, sizes, strict=True))
+
+
+def make_mesh(
+    shape: Mapping[str, int] | Sequence[tuple[str, int]] | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """Builds a mesh with Auto axes from ``{axis_name: size}``; one size may be ``-1`` (fill).
+
+    ``make_mesh()`` puts every device on ``data``. ``make_mesh({"data": 2, "fsdp": -1, "tensor": 2})`` on
+    8 devices gives a (2, 2, 2) mesh. Sizes must multiply to the number of devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_sizes(shape, len(devices))
+    return jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes),
                          devices=devices)
 
 

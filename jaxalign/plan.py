@@ -1,0 +1,191 @@
+"""Memory plan of a training config on any number of devices, without allocating anything.
+
+``jax.eval_shape`` gives the parameter and optimizer-state shapes; the mesh rules (``jaxalign.parallel``) give
+each array's sharding on an abstract mesh of the requested size, so the per-device bytes of parameters, optimizer
+state, gradients and the frozen reference are exact. Activations are an estimate from the model shape (saved
+tensors per layer, attention scores, logits), checked against XLA's own figure for small models in
+``tests/test_plan.py``.
+
+    jaxalign plan --config dpo:llama3_8b --devices 64 --hardware v5p
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh
+
+from jaxalign.data.dataset import OBJECTIVE_KINDS
+from jaxalign.models import LlamaConfig, abstract_model
+from jaxalign.objectives import OBJECTIVES, make_params
+from jaxalign.parallel.mesh import mesh_sizes
+from jaxalign.train.step import make_optimizer, state_shardings
+
+GB = 1e9
+
+# Accelerator memory per device, in GB (vendor figures).
+HARDWARE: dict[str, float] = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100-40gb": 40, "a100": 80, "h100": 80,
+                              "h200": 141, "b200": 192}
+
+# f32 [rows, length, vocab] buffers live at the head's peak in a training step: logits, log-softmax, softmax and
+# their gradients (read from XLA's buffer assignment of our train step on CPU; see tests/test_plan.py).
+LOGIT_COPIES = 6
+
+# Sequences in the forward pass per example, by data kind (chosen + rejected; MPO: two languages).
+ROWS_PER_EXAMPLE = {"sft": 1, "preference": 2, "mpo": 4}
+
+# Shapes of the large presets, so a plan needs no downloaded weights (values from the models' config.json).
+ARCHITECTURES: dict[str, dict] = {
+    "llama3_8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                      num_kv_heads=8, rope_theta=500000.0, max_position_embeddings=8192),
+    "qwen25_7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+                      num_kv_heads=4, rope_theta=1000000.0, qkv_bias=True, architecture="qwen2",
+                      max_position_embeddings=32768),
+}
+
+
+@dataclasses.dataclass
+class Plan:
+    mesh: dict[str, int]
+    num_params: int
+    trainable_params: int
+    bytes: dict[str, float]  # per device
+    rows_per_device: int
+    sequence_length: int
+    notes: list[str]
+
+    @property
+    def total(self) -> float:
+        return sum(self.bytes.values())
+
+    def table(self, hardware: str | None = None, memory_gb: float | None = None) -> str:
+        lines = [f"mesh {self.mesh} ({math.prod(self.mesh.values())} devices); {_count(self.num_params)} "
+                 f"parameters, {_count(self.trainable_params)} trained; {self.rows_per_device} sequences of "
+                 f"{self.sequence_length} tokens per device per micro-batch", "",
+                 f"{'per device':<26}{'GB':>10}"]
+        lines += [f"{name:<26}{value / GB:>10.3f}" for name, value in self.bytes.items()]
+        lines.append(f"{'total':<26}{self.total / GB:>10.3f}")
+        capacity = memory_gb if memory_gb else HARDWARE.get((hardware or "").lower())
+        if capacity:
+            usable = 0.9 * capacity  # leave ~10 % to the runtime, compiler scratch and fragmentation
+            verdict = "fits" if self.total / GB <= usable else "does NOT fit"
+            lines += ["", f"{verdict} in {capacity:g} GB per device ({hardware or 'given'}; 90 % usable = "
+                          f"{usable:.1f} GB)"]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "total": self.total}
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
+def model_config_of(config: ml_collections.ConfigDict) -> LlamaConfig:
+    """The architecture from ``model.path`` (config.json or GGUF header only), a known large preset, or the
+    random model's ``model.shape``."""
+    common = dict(dtype=config.model.dtype, attention_impl=config.model.attention_impl, remat=config.model.remat)
+    path = Path(config.model.path) if config.model.path else None
+    if path is not None and path.exists():
+        if path.suffix == ".gguf":
+            from jaxalign.models.gguf import _fields, _open, config_from_gguf
+
+            reader = _open(path)
+            model_config = config_from_gguf(_fields(reader), {t.name for t in reader.tensors}, source=str(path))
+        else:
+            from jaxalign.models.hf import config_from_hf, read_hf_config
+
+            model_config = config_from_hf(read_hf_config(path), source=str(path / "config.json"))
+        return model_config.replace(param_dtype=config.model.dtype, **common)
+    if config.model.preset in ARCHITECTURES:
+        return LlamaConfig(**ARCHITECTURES[config.model.preset], param_dtype=config.model.param_dtype, **common)
+    if path is not None:
+        raise FileNotFoundError(f"model.path={config.model.path!r} does not exist (and model.preset="
+                                f"{config.model.preset!r} is not one of {', '.join(ARCHITECTURES)})")
+    return LlamaConfig(**config.model.shape.to_dict(), param_dtype=config.model.param_dtype, **common)
+
+
+def _device_bytes(shapes, shardings) -> float:
+    def one(shape, sharding):
+        return math.prod(sharding.shard_shape(shape.shape)) * jnp.dtype(shape.dtype).itemsize
+
+    return float(sum(jax.tree.leaves(jax.tree.map(one, shapes, shardings))))
+
+
+def activation_bytes(model: LlamaConfig, rows: int, length: int, tensor: int, *, chunk_size: int = 0,
+                     grad: bool = True) -> float:
+    """Estimated activation memory of one forward (+ backward) pass on one device.
+
+    Without remat every layer keeps its inputs, norms, q/k/v, attention output, the MLP's gate/up/product, and
+    (XLA attention) the f32 score and probability matrices; with remat each layer keeps only its input and one
+    layer's set is live during the backward pass. The head adds ``LOGIT_COPIES`` f32 logit-sized buffers, or one
+    chunk's worth with chunked log-probs.
+    """
+    act = jnp.dtype(model.dtype).itemsize
+    h, inter = model.hidden_size, model.intermediate_size / tensor
+    heads, kv = model.num_heads / tensor, model.num_kv_heads / tensor
+    per_token = act * (4 * h + (2 * heads + 2 * kv) * model.head_dim + 4 * inter)
+    if model.attention_impl == "xla":
+        per_token += 2 * 4 * heads * length
+    tokens = rows * length
+    if not grad:
+        layers = per_token * tokens  # one layer live at a time
+    elif model.remat:
+        layers = act * h * tokens * model.num_layers + per_token * tokens
+    else:
+        layers = per_token * tokens * model.num_layers
+    head_positions = rows * (min(chunk_size, length) if chunk_size else length)
+    logits = head_positions * (model.vocab_size / tensor) * 4 * (LOGIT_COPIES if grad else 2)
+    return layers + logits
+
+
+def plan(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
+    """Per-device memory of training ``config`` on ``num_devices`` devices with the config's mesh."""
+    sizes = mesh_sizes(dict(config.mesh), num_devices)
+    mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
+    model_config = model_config_of(config)
+    model = abstract_model(model_config)
+    tx, _ = make_optimizer(config.optim, config.train.steps)
+    shardings = state_shardings(model, tx, mesh)
+    params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(nnx.state(model)))
+    opt_state = jax.eval_shape(tx.init, params)
+    name = config.objective.name
+    objective = OBJECTIVES[name]
+    hparams = make_params(name, config.objective.params.to_dict())
+    notes: list[str] = []
+
+    out: dict[str, float] = {}
+    out["parameters"] = _device_bytes(params, shardings.params)
+    out["optimizer state"] = _device_bytes(opt_state, shardings.opt_state)
+    out["gradients"] = out["parameters"] * (2 if config.train.grad_accum > 1 else 1)
+    if config.train.grad_accum > 1:
+        notes.append("gradients counted twice: the accumulator and one micro-batch's gradients")
+    uses_reference = objective.uses_reference and not getattr(hparams, "reference_free", False)
+    if uses_reference and config.reference.kind == "model":
+        out["reference model"] = out["parameters"]
+    elif uses_reference:
+        notes.append("reference.kind=precomputed: no reference weights on the devices during training")
+
+    data_parallel = sizes.get("data", 1) * sizes.get("fsdp", 1)
+    micro = config.train.batch_size // max(config.train.grad_accum, 1)
+    kind = OBJECTIVE_KINDS[name]
+    rows = max(micro // data_parallel, 1) * ROWS_PER_EXAMPLE[kind]
+    length = config.data.row_length if config.data.packing and config.data.row_length else config.data.max_length
+    tensor = sizes.get("tensor", 1)
+    chunk = int(getattr(hparams, "logps_chunk_size", 0) or 0)
+    out["activations (estimate)"] = activation_bytes(model_config, rows, length, tensor, chunk_size=chunk)
+    if name == "ift":
+        notes.append("IFT adds a no-gradient forward pass for the greedy tokens; its peak is below the training pass")
+    if not model_config.remat:
+        notes.append("model.remat=False: every layer's activations are kept for the backward pass")
+    num_params = int(sum(np.prod(p.shape) for p in jax.tree.leaves(params)))
+    return Plan(mesh=sizes, num_params=num_params, trainable_params=num_params, bytes=out, rows_per_device=rows,
+                sequence_length=length, notes=notes)
