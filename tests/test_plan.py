@@ -10,7 +10,6 @@ from flax import nnx
 from jaxalign.cli import main
 from jaxalign.models import abstract_model, create_model
 from jaxalign.objectives import get_objective, make_params
-from jaxalign.parallel import make_mesh
 from jaxalign.plan import model_config_of, plan
 from jaxalign.train import load_config
 from jaxalign.train.step import init_state, make_optimizer, make_train_step, state_shardings
