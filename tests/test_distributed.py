@@ -23,22 +23,38 @@ COMMON = [*SMALL, "--config.optim.schedule=constant", "--config.optim.warmup_ste
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port in 61440-65535 (the range JAX's SLURM support derives ports in)."""
+    for port in np.random.default_rng().permutation(np.arange(61440, 65536)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", int(port)))
+            except OSError:
+                continue
+            return int(port)
+    raise RuntimeError("no free port")
 
 
-def launch(workdir, steps: int, name: str = "dpo", processes: int = 2, timeout: int = 300) -> list[str]:
+def launch(workdir, steps: int, name: str = "dpo", processes: int = 2, timeout: int = 300, slurm: bool = False,
+           ) -> list[str]:
+    """``processes`` local processes of one job: coordinator given in the config, or found from SLURM variables
+    (as ``srun`` sets them) by ``distributed.mode=auto``."""
     port = free_port()
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // processes}",
            "PYTHONUNBUFFERED": "1"}
     procs = []
     for i in range(processes):
         command = [sys.executable, "-m", "jaxalign.cli", "train", "--config", name, *COMMON,
-                   f"--config.workdir={workdir}", f"--config.train.steps={steps}",
-                   f"--config.distributed.coordinator_address=127.0.0.1:{port}",
-                   f"--config.distributed.num_processes={processes}", f"--config.distributed.process_id={i}"]
-        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+                   f"--config.workdir={workdir}", f"--config.train.steps={steps}"]
+        if slurm:  # JAX derives the coordinator port from the job id: 61440 + id % 4096
+            task_env = {**env, "SLURM_JOB_ID": str(port - 61440 + 4096 * 7), "SLURM_STEP_NODELIST": "localhost",
+                        "SLURM_NTASKS": str(processes), "SLURM_STEP_NUM_TASKS": str(processes),
+                        "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i), "SLURM_STEP_NUM_NODES": "1"}
+        else:
+            task_env = env
+            command += [f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+                        f"--config.distributed.num_processes={processes}", f"--config.distributed.process_id={i}"]
+        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env=task_env))
     outputs = []
     for p in procs:
         try:
@@ -86,3 +102,27 @@ def test_cluster_detection():
     assert initialize({"mode": "auto"}) is False  # one process here: nothing to join
     with pytest.raises(ValueError, match=r"distributed.mode='sometimes'"):
         initialize({"mode": "sometimes"})
+
+
+def test_slurm_environment_is_detected(tmp_path):
+    """What ``srun`` gives each task is enough: no coordinator in the config."""
+    outputs = launch(tmp_path / "slurm", 2, "sft", slurm=True)
+    assert "over 8 devices in 2 processes" in outputs[0]
+    assert (tmp_path / "slurm" / "checkpoints" / "2").exists()
+
+
+def test_launchers_dry_run():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "DRY_RUN": "1", "RUN": "r1"}
+
+    def dry(*command):
+        result = subprocess.run(["bash", *command], cwd=root, env=env, capture_output=True, text=True, check=True)
+        return result.stdout
+
+    out = dry("launch/tpu_pod.sh", "run", "pod", "us-east5-a", "--", "--config", "dpo", "--config.optim.lr=1e-6")
+    assert "tpu-vm ssh pod --zone us-east5-a --worker=all" in out and "jaxalign.cli\\ train" in out
+    assert "r1-" in out and "--config.optim.lr=1e-6" in out
+    assert "--worker=all" in dry("launch/tpu_pod.sh", "stop", "pod", "us-east5-a")
+    assert "jaxalign.cli train --config x.py --config.distributed.mode=off" in dry("launch/gpu_single_host.sh",
+                                                                                  "--config", "x.py")
+    assert dry("launch/slurm.sbatch", "--config", "y.py").startswith("srun --kill-on-bad-exit=1 python3 -m")

@@ -138,6 +138,8 @@ def setup(config: ml_collections.ConfigDict) -> Run:
     if jax.process_index() == 0:
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     mesh = make_mesh(dict(config.mesh))
+    log(f"mesh {dict(mesh.shape)} over {jax.device_count()} devices in {jax.process_count()} process"
+        f"{'es' if jax.process_count() > 1 else ''}")
     with jax.set_mesh(mesh):
         model, hf_tokenizer = build_model(config, mesh)
     if jax.process_index() == 0:
