@@ -432,10 +432,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = parser.parse_args(argv)
     from jaxalign.models import CheckpointError
+    from jaxalign.train.loop import TrainingHalted
 
     try:
         return args.func(args)
-    except (CheckpointError, FileNotFoundError, ValueError) as err:
+    except (CheckpointError, FileNotFoundError, ValueError, TrainingHalted) as err:
         command = " ".join(filter(None, (args.command, getattr(args, "data_command", None))))
         print(f"jaxalign {command}: error: {err}", file=sys.stderr)
         return 2

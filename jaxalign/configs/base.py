@@ -46,7 +46,7 @@ def get_config(arg=None):
 
     config.train = ml_collections.ConfigDict(dict(
         steps=600, batch_size=32, grad_accum=1, log_every=25, eval_every=200, save_every=200, keep_checkpoints=2,
-        nan_guard=True, resume=True))
+        nan_guard=True, nan_policy="skip", resume=True))
     config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     # Several processes (TPU pod hosts, SLURM tasks, one process per GPU node): "auto" joins when the environment
     # says so (SLURM, Open MPI, a multi-host TPU slice, JAX_COORDINATOR_ADDRESS); set the coordinator by hand for

@@ -90,7 +90,7 @@ class _Checker:
             else:
                 role_key, content_key, roles = "role", "content", {r: r for r in ROLES}
             role = message.get(role_key)
-            if role not in roles:
+            if not isinstance(role, str) or role not in roles:
                 self.fail(f"{where}.{role_key}", f"unknown role {role!r} (expected one of {sorted(roles)})")
             content = self.text(message.get(content_key), f"{where}.{content_key}",
                                 allow_empty=roles[role] != "assistant")

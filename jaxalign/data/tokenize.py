@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jinja2
 import numpy as np
 
 from jaxalign.data.schema import RecordError
@@ -77,8 +78,11 @@ class Tokenizer:
         if self.chat_template is None:
             raise ValueError("the tokenizer has no chat template; set data.chat_template ('chatml', 'zephyr' or a "
                              "Jinja string) for conversational data")
-        return self.hf.apply_chat_template(list(messages), chat_template=self.chat_template, tokenize=False,
-                                           add_generation_prompt=generation_prompt)
+        try:
+            return self.hf.apply_chat_template(list(messages), chat_template=self.chat_template, tokenize=False,
+                                               add_generation_prompt=generation_prompt)
+        except jinja2.TemplateError as err:  # SecurityError too: templates run in Jinja's immutable sandbox
+            raise ValueError(f"the chat template failed ({type(err).__name__}: {err})") from None
 
     def with_bos(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
         """Exactly one leading BOS when the tokenizer uses one (template BOS kept, duplicates removed)."""

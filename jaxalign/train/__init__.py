@@ -2,8 +2,8 @@
 metric writers and the reference-log-prob cache."""
 
 from jaxalign.train.config import ConfigError, apply_override, load_config, validate
-from jaxalign.train.loop import train
+from jaxalign.train.loop import TrainingHalted, train
 from jaxalign.train.step import TrainState, make_optimizer, make_train_step
 
-__all__ = ["ConfigError", "TrainState", "apply_override", "load_config", "make_optimizer", "make_train_step",
-           "train", "validate"]
+__all__ = ["ConfigError", "TrainState", "TrainingHalted", "apply_override", "load_config", "make_optimizer",
+           "make_train_step", "train", "validate"]

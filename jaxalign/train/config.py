@@ -96,6 +96,19 @@ def apply_override(config: ml_collections.ConfigDict, override: str) -> None:
         node[leaf] = parsed
 
 
+def path_inside(workdir: str | Path, relative: str, field: str) -> Path:
+    """``relative`` resolved inside the run folder; a path that leaves it (``..``, links) is a ``ConfigError``.
+    Absolute paths are taken as given (e.g. a reference cache shared by several runs)."""
+    if Path(relative).is_absolute():
+        return Path(relative)
+    root = Path(workdir).resolve()
+    path = (root / relative).resolve()
+    if not path.is_relative_to(root):
+        raise ConfigError(f"{field}={relative!r} leaves the run folder {root}; give a path inside it (or an "
+                          "absolute path)")
+    return path
+
+
 def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
     """Checks the whole config; raises ``ConfigError`` naming the field and the fix."""
     num_devices = jax.device_count() if num_devices is None else num_devices
@@ -132,6 +145,10 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
                         f"train.grad_accum={config.train.grad_accum} (>= 1)")
     if config.train.steps < 1:
         problems.append(f"train.steps={config.train.steps} must be >= 1")
+    if config.train.get("nan_policy", "skip") not in ("skip", "halt"):
+        problems.append(f"train.nan_policy={config.train.nan_policy!r}; choose 'skip' (count and go on) or 'halt'")
+    if config.train.get("nan_policy") == "halt" and not config.train.nan_guard:
+        problems.append("train.nan_policy='halt' needs train.nan_guard=True (the guard detects the bad update)")
     if config.optim.name not in ("adamw", "rmsprop", "sgd"):
         problems.append(f"optim.name={config.optim.name!r}; choose adamw, rmsprop or sgd")
     if config.optim.schedule not in ("constant", "linear", "cosine"):
@@ -143,6 +160,11 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     if config.data.packing and name in OBJECTIVE_KINDS and OBJECTIVE_KINDS[name] != "sft":
         problems.append(f"data.packing is supported for sft/ift training, not {name} (packed preference training "
                         "is a data-side feature for now)")
+    if config.reference.cache_dir:
+        try:
+            path_inside(config.workdir, config.reference.cache_dir, "reference.cache_dir")
+        except ConfigError as err:
+            problems.append(str(err))
     dist = config.get("distributed")
     if dist is not None:
         if dist.mode not in ("auto", "on", "off"):

@@ -36,7 +36,7 @@ from jaxalign.models import LlamaConfig, abstract_model, create_model, load_pret
 from jaxalign.objectives import get_objective, make_params
 from jaxalign.parallel import distributed, make_mesh
 from jaxalign.train import reference_cache
-from jaxalign.train.config import validate
+from jaxalign.train.config import path_inside, validate
 from jaxalign.train.evaluate import exact_match, make_eval_step
 from jaxalign.train.step import TrainState, init_state, make_optimizer, make_train_step, state_shardings
 from jaxalign.train.writers import MetricWriter, plot_curves
@@ -163,7 +163,7 @@ def setup(config: ml_collections.ConfigDict) -> Run:
     reference_params = None
     if objective.uses_reference and not getattr(hparams, "reference_free", False):
         if config.reference.kind == "precomputed":
-            cache_dir = Path(config.reference.cache_dir or workdir / "reference_cache")
+            cache_dir = path_inside(workdir, config.reference.cache_dir or "reference_cache", "reference.cache_dir")
 
             def attach(sources, paths):
                 return reference_cache.attach(sources, graphdef, params, hf_tokenizer, kind, hparams, cache_dir,
@@ -269,6 +269,10 @@ def evaluate(run: Run) -> dict[str, float]:
     return out
 
 
+class TrainingHalted(RuntimeError):
+    """Training stopped on purpose (``train.nan_policy='halt'``); the message says where the checkpoint is."""
+
+
 class _Stop:
     """SIGTERM / SIGINT set a flag; the loop saves and exits at the next step boundary."""
 
@@ -314,6 +318,7 @@ def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
         progress = tqdm(total=cfg.steps, initial=first_step, dynamic_ncols=True)
     window: dict = {}
     tokens_seen, window_start, stop_reason = 0, time.time(), None
+    skipped = int(run.state.skipped)
     last_eval = initial_eval or {}
     with _Stop() as stop, jax.set_mesh(run.mesh):
         while int(run.state.step) < cfg.steps:
@@ -324,6 +329,15 @@ def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
             run.state, metrics = run.step_fn(*args)
             window = metrics if not window else jax.tree.map(jnp.add, window, metrics)
             step = int(run.state.step)
+            if int(run.state.skipped) > skipped:
+                skipped = int(run.state.skipped)
+                message = (f"step {step}: the loss or the gradients are not finite; the update was skipped "
+                           f"({skipped} skipped so far)")
+                if cfg.nan_policy == "halt":
+                    save(run, wait=True)
+                    raise TrainingHalted(f"{message}. Halting because train.nan_policy='halt'; a checkpoint at step "
+                                         f"{step} (parameters of step {step - 1}) is in {run.workdir / 'checkpoints'}")
+                log(message)
             if step % cfg.log_every == 0 or step == cfg.steps:
                 values = reduce(window)
                 elapsed = time.time() - window_start

@@ -1,0 +1,249 @@
+"""Nothing is lost when things go wrong: kill -9 at random steps, SIGTERM, broken checkpoints, NaN batches,
+invalid configs, hostile files. Fuzzing of the record validators lives in test_fuzz_records.py."""
+
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from test_train import SMALL, small_config
+
+from jaxalign.cli import main
+from jaxalign.data import DataError, TokenizeConfig, Tokenizer, load_sources
+from jaxalign.data.pipeline import DataPipeline
+from jaxalign.data.toy import toy_tokenizer, write_jsonl
+from jaxalign.models import CheckpointError, create_model, load_pretrained, save_hf
+from jaxalign.train import ConfigError, TrainingHalted, load_config, train, validate
+from jaxalign.train.export import restore_model
+
+STEPS = 40
+KILLS = 10
+RUN = [*SMALL, f"--config.train.steps={STEPS}", "--config.train.save_every=1", "--config.train.keep_checkpoints=2",
+       "--config.train.log_every=10", "--config.eval.generate=0", "--config.data.eval="]
+
+
+def start(workdir: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "jaxalign.cli", "train", "--config", "sft", *RUN, f"--config.workdir={workdir}"]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def wait_for_checkpoint(process: subprocess.Popen, workdir: Path, step: int, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (workdir / "checkpoints" / str(step)).exists():
+            return
+        if process.poll() is not None:
+            raise AssertionError(f"training ended before step {step}:\n{process.stdout.read()}")
+        time.sleep(0.01)
+    process.kill()
+    raise AssertionError(f"no checkpoint {step} within {timeout} s")
+
+
+def final_params(workdir: Path):
+    model, _, step = restore_model(workdir)
+    return step, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+
+
+def assert_same_params(workdir_a: Path, workdir_b: Path) -> None:
+    step_a, a = final_params(workdir_a)
+    step_b, b = final_params(workdir_b)
+    assert step_a == step_b == STEPS
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: the same run, never interrupted (started in the background)."""
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    process = start(workdir)
+    yield process, workdir
+    if process.poll() is None:
+        process.kill()
+
+
+def finished(reference) -> Path:
+    process, workdir = reference
+    output = process.communicate(timeout=600)[0] if process.returncode is None else ""
+    assert process.returncode == 0, output
+    return workdir
+
+
+def test_kill9_at_ten_random_steps_then_identical_parameters(uninterrupted, tmp_path):
+    kill_steps = sorted(random.Random(2026).sample(range(2, STEPS - 2, 3), KILLS))  # at least 3 steps apart
+    workdir = tmp_path / "killed"
+    for i, step in enumerate(kill_steps):
+        process = start(workdir)
+        wait_for_checkpoint(process, workdir, step)
+        process.send_signal(signal.SIGKILL)  # no handler runs: possibly mid-step or mid-save
+        output = process.communicate()[0]
+        assert process.returncode == -signal.SIGKILL
+        if i:
+            assert "resumed from" in output, output[-2000:]
+    process = start(workdir)
+    output = process.communicate(timeout=600)[0]
+    assert process.returncode == 0, output[-3000:]
+    assert "resumed from" in output
+    assert_same_params(workdir, finished(uninterrupted))
+
+
+def test_sigterm_checkpoints_exits_and_resumes_at_the_next_step(uninterrupted, tmp_path):
+    workdir = tmp_path / "preempted"
+    process = start(workdir)
+    wait_for_checkpoint(process, workdir, 12)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=300)[0]
+    assert process.returncode == 0, output
+    assert "SIGTERM: saved a checkpoint at step" in output
+    saved = int(output.split("SIGTERM: saved a checkpoint at step ")[1].split()[0])
+    assert 12 <= saved < STEPS
+    process = start(workdir)
+    output = process.communicate(timeout=600)[0]
+    assert process.returncode == 0 and f"at step {saved}" in output, output[-3000:]
+    # the data position was restored too: the parameters equal the uninterrupted run's bit for bit
+    assert_same_params(workdir, finished(uninterrupted))
+
+
+def test_half_written_latest_checkpoint_falls_back_with_a_warning(tmp_path):
+    extra = ["--config.train.save_every=4", "--config.train.keep_checkpoints=3", "--config.eval.generate=0"]
+    train(small_config("sft", tmp_path / "run", "--config.train.steps=8", *extra))
+    for file in (tmp_path / "run" / "checkpoints" / "8").rglob("*"):
+        if file.is_file() and file.stat().st_size > 1:
+            file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])  # the write stopped halfway
+    with pytest.warns(UserWarning, match="checkpoint 8 could not be restored"):
+        summary = train(small_config("sft", tmp_path / "run", "--config.train.steps=10", *extra))
+    assert summary["step"] == 10
+
+
+def poison_batch(monkeypatch, at: int):
+    """Makes the ``at``-th training batch carry a NaN example weight (so its loss and gradients are NaN)."""
+    original = DataPipeline.__next__
+    calls = {"n": 0}
+
+    def poisoned(self):
+        batch = original(self)
+        if self.config.shuffle:  # the training pipeline (evaluation does not shuffle)
+            calls["n"] += 1
+            if calls["n"] == at:
+                batch = {**batch, "example_weight": np.full_like(batch["example_weight"], np.nan)}
+        return batch
+
+    monkeypatch.setattr(DataPipeline, "__next__", poisoned)
+
+
+def test_nan_batch_is_skipped_counted_and_training_continues(monkeypatch, tmp_path, capsys):
+    poison_batch(monkeypatch, at=3)
+    summary = train(small_config("sft", tmp_path / "run", "--config.train.steps=6", "--config.eval.generate=0"))
+    assert summary["step"] == 6 and summary["skipped_updates"] == 1
+    assert "step 3: the loss or the gradients are not finite; the update was skipped (1 skipped so far)" in (
+        capsys.readouterr().out)
+    _, params = final_params(tmp_path / "run")
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
+
+
+def test_nan_batch_halts_when_configured(monkeypatch, tmp_path):
+    poison_batch(monkeypatch, at=3)
+    with pytest.raises(TrainingHalted, match=r"step 3: .*not finite.*train.nan_policy='halt'"):
+        train(small_config("sft", tmp_path / "run", "--config.train.steps=6", "--config.train.nan_policy=halt",
+                           "--config.eval.generate=0"))
+    step, params = final_params(tmp_path / "run")
+    assert step == 3 and all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
+
+
+# ------------------------------------------------------------------------------------------ bad configs
+@pytest.mark.parametrize(("overrides", "messages"), [
+    (["--config.train.batch_size=6", "--config.mesh.fsdp=3"], ["mesh=", "needs 3 devices"]),
+    (["--config.train.grad_accum=3"], ["train.batch_size=32 must be a multiple of train.grad_accum=3"]),
+    (["--config.train.nan_policy=ignore"], ["train.nan_policy='ignore'"]),
+    (["--config.train.nan_policy=halt", "--config.train.nan_guard=False"], ["needs train.nan_guard=True"]),
+    (["--config.distributed.mode=always"], ["distributed.mode='always'"]),
+    (["--config.distributed.coordinator_address=localhost"], ["needs HOST:PORT"]),
+    (["--config.distributed.num_processes=2", "--config.distributed.process_id=2"], ["distributed.process_id=2"]),
+    (["--config.reference.cache_dir=../../elsewhere"], ["reference.cache_dir='../../elsewhere' leaves the run"]),
+    (["--config.data.packing=True", "--config.data.row_length=128"], ["data.packing is supported for sft/ift"]),
+    (["--config.optim.schedule=warmup_stable"], ["optim.schedule='warmup_stable'"]),
+    (["--config.train.steps=0", "--config.data.on_invalid=ignore"], ["train.steps=0", "data.on_invalid='ignore'"]),
+])
+def test_each_bad_config_names_its_fields(overrides, messages):
+    with pytest.raises(ConfigError) as info:
+        validate(load_config("dpo", overrides), num_devices=8)
+    for message in messages:
+        assert message in str(info.value)
+
+
+def test_cli_reports_a_bad_config_before_any_work(tmp_path, capsys):
+    workdir = tmp_path / "never"
+    assert main(["train", "--config", "dpo", f"--config.workdir={workdir}", "--config.train.batch_size=6",
+                 "--config.optim.name=lion"]) == 2
+    err = capsys.readouterr().err
+    assert "train.batch_size / train.grad_accum = 6 rows" in err and "optim.name='lion'" in err
+    assert "Traceback" not in err
+    assert not workdir.exists()  # nothing written, nothing compiled
+
+
+# ------------------------------------------------------------------------------------------ security
+class _Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_pickled_weights_are_refused_unopened(tmp_path, tiny_config):
+    save_hf(create_model(tiny_config), tmp_path / "model")
+    (tmp_path / "model" / "model.safetensors").unlink()
+    marker = tmp_path / "pwned"
+    (tmp_path / "model" / "pytorch_model.bin").write_bytes(pickle.dumps({"weights": _Payload(marker)}))
+    with pytest.raises(CheckpointError, match="pickle"):
+        load_pretrained(tmp_path / "model")
+    assert not marker.exists()
+
+
+def test_chat_templates_cannot_reach_python(tmp_path):
+    marker = tmp_path / "pwned"
+    hostile = [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ cycler.__init__.__globals__.os.system('touch " + str(marker) + "') }}",
+        "{% for m in messages %}{{ m.content.__class__.__base__ }}{% endfor %}",
+        "{{ lipsum.__globals__['os'].popen('touch " + str(marker) + "').read() }}",
+    ]
+    path = write_jsonl([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}],
+                       tmp_path / "chat.jsonl")
+    for template in hostile:
+        tok = Tokenizer(toy_tokenizer(), TokenizeConfig(max_length=64, chat_template=template))
+        with pytest.raises(DataError, match=r"record 0, field '<record>': the chat template failed \(Security"):
+            load_sources([path], tok, kind="sft")
+    assert not marker.exists()
+
+
+def test_config_paths_cannot_escape_the_run_folder(tmp_path):
+    config = small_config("dpo", tmp_path / "run", "--config.reference.kind=precomputed",
+                          "--config.reference.cache_dir=../../../tmp/escaped")
+    with pytest.raises(ConfigError, match="leaves the run folder"):
+        train(config)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    config = small_config("sft", tmp_path / "run2", "--config.data.train=toy:../../../etc/passwd")
+    with pytest.raises(ValueError, match=r"toy:../../../etc/passwd is unknown"):
+        train(config)
+    assert not list(tmp_path.rglob("*passwd*"))
+    inside = small_config("dpo", tmp_path / "run3", "--config.train.steps=2", "--config.eval.generate=0",
+                          "--config.reference.kind=precomputed", "--config.reference.cache_dir=cache/ref")
+    train(inside)
+    assert list((tmp_path / "run3" / "cache" / "ref").glob("*.npz"))
+
+
+def test_load_sources_reports_unreadable_files(tmp_path):
+    (tmp_path / "bad.jsonl").write_bytes(b'{"messages": [}\n\xff\xfe\n')
+    tok = Tokenizer(toy_tokenizer(), TokenizeConfig(max_length=64))
+    with pytest.raises(DataError, match=r"bad.jsonl"):
+        load_sources([tmp_path / "bad.jsonl"], tok, kind="sft")
