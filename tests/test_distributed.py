@@ -35,7 +35,7 @@ def free_port() -> int:
 
 
 def launch(workdir, steps: int, name: str = "dpo", processes: int = 2, timeout: int = 300, slurm: bool = False,
-           ) -> list[str]:
+           extra: tuple[str, ...] | list[str] = ()) -> list[str]:
     """``processes`` local processes of one job: coordinator given in the config, or found from SLURM variables
     (as ``srun`` sets them) by ``distributed.mode=auto``."""
     port = free_port()
@@ -44,7 +44,7 @@ def launch(workdir, steps: int, name: str = "dpo", processes: int = 2, timeout: 
     procs = []
     for i in range(processes):
         command = [sys.executable, "-m", "jaxalign.cli", "train", "--config", name, *COMMON,
-                   f"--config.workdir={workdir}", f"--config.train.steps={steps}"]
+                   f"--config.workdir={workdir}", f"--config.train.steps={steps}", *extra]
         if slurm:  # JAX derives the coordinator port from the job id: 61440 + id % 4096
             task_env = {**env, "SLURM_JOB_ID": str(port - 61440 + 4096 * 7), "SLURM_STEP_NODELIST": "localhost",
                         "SLURM_NTASKS": str(processes), "SLURM_STEP_NUM_TASKS": str(processes),
@@ -73,19 +73,20 @@ def params_of(workdir):
     return step, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
 
 
-@pytest.mark.parametrize("name", ["sft", "dpo"])
-def test_two_processes_with_resume_equal_one_process(name, tmp_path):
-    outputs = launch(tmp_path / "multi", 6, name)
+@pytest.mark.parametrize(("name", "reference"), [("sft", "model"), ("dpo", "model"), ("dpo", "precomputed")])
+def test_two_processes_with_resume_equal_one_process(name, reference, tmp_path):
+    extra = [f"--config.reference.kind={reference}"]
+    outputs = launch(tmp_path / "multi", 6, name, extra=extra)
     assert "step 6/6" in outputs[0] and "step 6/6" not in outputs[1]  # process 0 logs, process 1 stays quiet
-    outputs = launch(tmp_path / "multi", 12, name)
+    outputs = launch(tmp_path / "multi", 12, name, extra=extra)
     assert "resumed from" in outputs[0] and "at step 6" in outputs[0]
-    train(load_config(name, [*COMMON, f"--config.workdir={tmp_path / 'single'}", "--config.train.steps=12"]))
+    train(load_config(name, [*COMMON, *extra, f"--config.workdir={tmp_path / 'single'}", "--config.train.steps=12"]))
     step_a, multi = params_of(tmp_path / "multi")
     step_b, single = params_of(tmp_path / "single")
     assert step_a == step_b == 12
     worst = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(multi), jax.tree.leaves(single),
                                                           strict=True))
-    print(f"{name}: largest parameter difference, 2 processes vs 1: {worst:.2e}")
+    print(f"{name} ({reference} reference): largest parameter difference, 2 processes vs 1: {worst:.2e}")
     assert worst <= 1e-5, worst
     steps = [json.loads(line)["step"] for line in (tmp_path / "multi" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [5, 6, 10, 12]  # each row written once (by process 0), the resume continues at step 7

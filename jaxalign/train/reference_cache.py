@@ -18,16 +18,42 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxalign.data.batching import bucket_length, default_buckets, max_sequence_length, pad_batch
 
 LAST_STATUS = {"status": None, "path": None}
 
 
+@jax.jit
+def _fingerprint(leaf: jax.Array) -> jax.Array:
+    """Two position-weighted sums of the leaf's bits, in wrapping uint32 arithmetic: computed where the shards
+    live (no gathering to one host) and equal on every process and for every mesh."""
+    bits = jax.lax.bitcast_convert_type(leaf.astype(jnp.float32), jnp.uint32).reshape(-1)
+    position = jnp.arange(bits.size, dtype=jnp.uint32)
+    weighted = jnp.sum(bits * (position % jnp.uint32(65521) + 1))
+    mixed = jnp.sum(bits ^ (position * jnp.uint32(2654435761)))
+    return jnp.stack([weighted, mixed])
+
+
+def _mesh_of(params):
+    sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    return sharding.mesh if isinstance(sharding, NamedSharding) else None
+
+
+def _replicated(fn, leaf):
+    """``fn`` jitted to return a replicated result when ``leaf`` lives on a mesh (readable on every process)."""
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        return jax.jit(fn, out_shardings=NamedSharding(sharding.mesh, PartitionSpec()))
+    return fn
+
+
 def content_key(params, tokenizer, key_parts: dict, extra: dict) -> str:
     digest = hashlib.sha256()
     for leaf in jax.tree.leaves(params):
-        digest.update(np.asarray(jax.device_get(leaf)).tobytes())
+        digest.update(f"{leaf.shape}{leaf.dtype}".encode())
+        digest.update(np.asarray(_replicated(_fingerprint, leaf)(leaf)).tobytes())
     digest.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
     digest.update((tokenizer.chat_template or "").encode())
     for path in key_parts.get("paths", ()):
@@ -52,12 +78,23 @@ def compute(examples: list[dict], graphdef, params, kind: str, hparams, batch_si
         return {"ref_dominant_gap": gap, "ref_dominant_hidden": hidden}
 
     buckets = default_buckets(max_sequence_length(examples, kind))
+    mesh = _mesh_of(params)
+
+    def place(params, batch):
+        """Every process holds the whole (small) batch and gets the whole result back, so this works with
+        parameters sharded across hosts."""
+        if mesh is None:
+            return run(params, {k: jnp.asarray(v) for k, v in batch.items()})
+        whole = NamedSharding(mesh, PartitionSpec())
+        inputs = {k: jax.make_array_from_process_local_data(whole, v) for k, v in batch.items()}
+        return jax.jit(run, out_shardings=whole)(params, inputs)
+
     outputs: dict[str, list] = {}
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
         filled = chunk + [chunk[-1]] * (batch_size - len(chunk))
         batch = pad_batch(filled, kind, bucket_length(max_sequence_length(filled, kind), buckets), 0)
-        result = run(params, {k: jnp.asarray(v) for k, v in batch.items()})
+        result = place(params, batch)
         for name, value in result.items():
             outputs.setdefault(name, []).append(np.asarray(value)[: len(chunk)])
     return {name: np.concatenate(parts) for name, parts in outputs.items()}
