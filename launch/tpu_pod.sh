@@ -49,7 +49,7 @@ python3 -m pip install -q -U 'jax[tpu]' && python3 -m pip install -q -e $remote_
     args=$(printf '%q ' "$@")
     # nohup + background: the run survives the ssh session; each host writes its own log.
     on_all_workers "mkdir -p ~/jaxalign-logs && cd $remote_dir && \
-nohup python3 -m jaxalign.cli train $args --config.logging.progress=False \
+nohup python3 -m jaxalign.cli train $args --config.logging.progress=False --config.distributed.mode=on \
 > ~/jaxalign-logs/$run-\$(hostname).log 2>&1 < /dev/null &"
     echo "started run $run on every host of $tpu; follow it with: launch/tpu_pod.sh logs $tpu $zone"
     ;;

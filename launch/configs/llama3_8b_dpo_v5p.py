@@ -26,5 +26,5 @@ def get_config(arg=None):
     config.train.eval_every = 0
     config.eval.generate = 0
     config.logging.progress = False
-    config.distributed.mode = "auto"  # a multi-host TPU slice is detected from the VM's environment
+    config.distributed.mode = "on"  # JAX finds the slice's hosts from the TPU VM metadata server
     return config
