@@ -169,7 +169,10 @@ def test_nan_batch_halts_when_configured(monkeypatch, tmp_path):
     (["--config.distributed.coordinator_address=localhost"], ["needs HOST:PORT"]),
     (["--config.distributed.num_processes=2", "--config.distributed.process_id=2"], ["distributed.process_id=2"]),
     (["--config.reference.cache_dir=../../elsewhere"], ["reference.cache_dir='../../elsewhere' leaves the run"]),
-    (["--config.data.packing=True", "--config.data.row_length=128"], ["data.packing is supported for sft/ift"]),
+    (["--config.objective.name=mpo", "--config.data.packing=True", "--config.data.row_length=128"],
+     ["data.packing is supported for sft, ift, dpo, simpo and orpo, not mpo"]),
+    (["--config.data.packing=True", "--config.data.row_length=100"],
+     ["data.packing needs data.row_length >= 128 (a whole pair: 2 x data.max_length)"]),
     (["--config.optim.schedule=warmup_stable"], ["optim.schedule='warmup_stable'"]),
     (["--config.train.steps=0", "--config.data.on_invalid=ignore"], ["train.steps=0", "data.on_invalid='ignore'"]),
 ])

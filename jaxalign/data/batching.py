@@ -122,4 +122,11 @@ def packed_batch(examples: Sequence[dict], rows: Sequence[Sequence[int]], row_le
              "segment_ids": segment_ids, "positions": positions}
     if pairs:
         batch["pair_mask"] = pair_mask
+        for field in examples[rows[0][0]] if rows and rows[0] else ():
+            if field.startswith("ref_"):  # precomputed reference values, one per pair slot
+                values = np.zeros((n_rows, max_pairs_per_row), np.float32)
+                for r, row in enumerate(rows):
+                    for k, index in enumerate(row):
+                        values[r, k] = examples[index][field]
+                batch[field] = values
     return batch

@@ -1,6 +1,7 @@
 """Preference objectives: DPO (+IPO, hinge, label smoothing, reference-free), SimPO, ORPO.
 
-Chosen and rejected run in one concatenated forward pass (``[2B, T]``). DPO's reference log-probs come from
+Chosen and rejected run in one concatenated forward pass (``[2B, T]``), or, with ``data.packing``, as segments
+of shared rows (padding-free: per-segment log-prob sums recover each pair). DPO's reference log-probs come from
 precomputed batch fields ``ref_chosen_logps`` / ``ref_rejected_logps``, or from a frozen ``reference`` model
 under ``stop_gradient``, or are zero when ``reference_free``.
 """
@@ -18,14 +19,57 @@ from jaxalign.objectives.common import (
     concat_pair,
     example_weights,
     policy_token_logps,
+    require,
     weighted_means,
 )
+
+
+def is_packed(batch) -> bool:
+    """Pair-packed rows (``data.packing`` with preference data): ``tokens``/``segment_ids`` ``[R, L]`` holding
+    each pair's chosen and rejected sequence as segments ``2k+1`` and ``2k+2``, ``pair_mask [R, P]``."""
+    return "pair_mask" in batch
+
+
+def packed_pair_logps(model, batch, *, chunk_size: int = 0, scope: str = "policy"):
+    """``pair_logps`` of a pair-packed batch: per-segment sums of the token log-probs, flattened to ``[R·P]``
+    pairs (empty pair slots give zeros and weight 0 in ``pair_weights``)."""
+    tokens, attention_mask, loss_mask, segments = require(batch, "tokens", "attention_mask", "loss_mask",
+                                                          "segment_ids", objective="packed preference")
+    with jax.named_scope(scope):
+        logps = policy_token_logps(model, tokens, attention_mask, loss_mask, segment_ids=segments,
+                                   chunk_size=chunk_size)
+    n_pairs = batch["pair_mask"].shape[1]
+    trained = jnp.asarray(loss_mask, bool)
+    # [R, L, 2P]: which segment each trained token belongs to (segment 0 = padding, never trained)
+    member = ((segments[..., None] == jnp.arange(1, 2 * n_pairs + 1)) & trained[..., None]).astype(jnp.float32)
+    sums = jnp.einsum("rl,rls->rs", logps, member)
+    counts = member.sum(axis=1)
+    return (sums[:, 0::2].reshape(-1), sums[:, 1::2].reshape(-1), counts[:, 0::2].reshape(-1),
+            counts[:, 1::2].reshape(-1))
+
+
+def pair_weights(batch, size: int) -> jax.Array:
+    """Per-pair weights: ``example_weight`` ``[B]``, or for packed rows the ``pair_mask`` times the row weight."""
+    if not is_packed(batch):
+        return example_weights(batch, "chosen_tokens", size)
+    pair_mask = jnp.asarray(batch["pair_mask"], jnp.float32)
+    rows = example_weights(batch, "tokens", pair_mask.shape[0])
+    return (pair_mask * rows[:, None]).reshape(-1)
+
+
+def reference_values(batch, name: str) -> jax.Array:
+    """A precomputed ``ref_*`` field as one value per pair (packed: ``[R, P]`` flattened)."""
+    return jnp.asarray(batch[name], jnp.float32).reshape(-1)
 
 
 def pair_logps(model, batch, objective: str, *, prefix: str = "", chunk_size: int = 0, scope: str = "policy",
                return_hidden: bool = False):
     """Summed log-probs and token counts of the chosen and rejected sequences: four ``[B]`` arrays (and the
-    ``[2B, T, D]`` hidden states when asked)."""
+    ``[2B, T, D]`` hidden states when asked). Pair-packed batches give ``[R·P]`` arrays."""
+    if is_packed(batch) and not prefix:
+        if return_hidden:
+            raise ValueError(f"{objective}: hidden states of packed pairs are not supported")
+        return packed_pair_logps(model, batch, chunk_size=chunk_size, scope=scope)
     tokens, attention_mask, loss_mask = concat_pair(batch, prefix, objective)
     with jax.named_scope(scope):
         out = policy_token_logps(model, tokens, attention_mask, loss_mask, chunk_size=chunk_size,
@@ -40,7 +84,7 @@ def pair_logps(model, batch, objective: str, *, prefix: str = "", chunk_size: in
 
 def reduce_pair_losses(per_pair, per_example, batch, chosen_len, rejected_len):
     """(batch-mean loss, metrics) from per-pair losses and metrics, weighted by ``example_weight``."""
-    weight = example_weights(batch, "chosen_tokens", per_pair.shape[0])
+    weight = pair_weights(batch, per_pair.shape[0])
     metrics = weighted_means({**per_example, "len/chosen": chosen_len, "len/rejected": rejected_len}, weight)
     total = (per_pair * weight).sum()
     count = jnp.maximum(weight.sum(), 1e-9)
@@ -74,8 +118,8 @@ def dpo(model, batch, hparams: DPOParams = DPOParams(), *, reference=None, **_):
     ``ref_chosen_logps`` / ``ref_rejected_logps`` ``[B]`` (summed), ``example_weight``."""
     chosen, rejected, chosen_len, rejected_len = pair_logps(model, batch, "dpo", chunk_size=hparams.logps_chunk_size)
     if "ref_chosen_logps" in batch and "ref_rejected_logps" in batch:
-        ref_chosen = jnp.asarray(batch["ref_chosen_logps"], jnp.float32)
-        ref_rejected = jnp.asarray(batch["ref_rejected_logps"], jnp.float32)
+        ref_chosen = reference_values(batch, "ref_chosen_logps")
+        ref_rejected = reference_values(batch, "ref_rejected_logps")
     elif reference is not None:
         ref_chosen, ref_rejected, _, _ = pair_logps(reference, batch, "dpo", chunk_size=hparams.logps_chunk_size,
                                                     scope="reference")

@@ -155,11 +155,15 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
         problems.append(f"optim.schedule={config.optim.schedule!r}; choose constant, linear or cosine")
     if config.data.on_invalid not in ("error", "skip"):
         problems.append(f"data.on_invalid={config.data.on_invalid!r}; choose 'error' or 'skip'")
-    if config.data.packing and config.data.row_length < config.data.max_length:
-        problems.append(f"data.packing needs data.row_length >= data.max_length ({config.data.max_length})")
-    if config.data.packing and name in OBJECTIVE_KINDS and OBJECTIVE_KINDS[name] != "sft":
-        problems.append(f"data.packing is supported for sft/ift training, not {name} (packed preference training "
-                        "is a data-side feature for now)")
+    kind = OBJECTIVE_KINDS.get(name)
+    if config.data.packing and kind == "mpo":
+        problems.append("data.packing is supported for sft, ift, dpo, simpo and orpo, not mpo (its preservation term "
+                        "pools hidden states per sequence)")
+    elif config.data.packing:
+        needed = config.data.max_length * (2 if kind == "preference" else 1)
+        if config.data.row_length < needed:
+            problems.append(f"data.packing needs data.row_length >= {needed} ("
+                            f"{'a whole pair: 2 x ' if kind == 'preference' else ''}data.max_length)")
     if config.reference.cache_dir:
         try:
             path_inside(config.workdir, config.reference.cache_dir, "reference.cache_dir")
