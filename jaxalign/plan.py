@@ -25,6 +25,7 @@ from jax.sharding import AbstractMesh
 from jaxalign.data.dataset import OBJECTIVE_KINDS
 from jaxalign.models import LlamaConfig, abstract_model
 from jaxalign.objectives import OBJECTIVES, make_params
+from jaxalign.objectives.common import resolve_chunk_size
 from jaxalign.parallel.mesh import mesh_sizes
 from jaxalign.train.step import make_optimizer, state_shardings
 
@@ -180,7 +181,7 @@ def plan(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
     rows = max(micro // data_parallel, 1) * ROWS_PER_EXAMPLE[kind]
     length = config.data.row_length if config.data.packing and config.data.row_length else config.data.max_length
     tensor = sizes.get("tensor", 1)
-    chunk = int(getattr(hparams, "logps_chunk_size", 0) or 0)
+    chunk = resolve_chunk_size(int(getattr(hparams, "logps_chunk_size", 0)), rows, length, model_config.vocab_size)
     out["activations (estimate)"] = activation_bytes(model_config, rows, length, tensor, chunk_size=chunk)
     if name == "ift":
         notes.append("IFT adds a no-gradient forward pass for the greedy tokens; its peak is below the training pass")

@@ -123,6 +123,21 @@ def test_chunked_logps_objective_equals_plain(model, name):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def test_automatic_chunking_by_size(model, monkeypatch):
+    from jaxalign.objectives import common
+
+    assert common.resolve_chunk_size(-1, 8, 2048, 128256) == 16  # Llama-3 vocabulary: chunk (16 x 8 x V ~ 2^24)
+    assert common.resolve_chunk_size(-1, 8, 256, 4096) == 0  # 8M logits: the plain path
+    assert common.resolve_chunk_size(0, 8, 2048, 128256) == 0 and common.resolve_chunk_size(64, 1, 8, 8) == 64
+    batch = sft_batch()
+    plain = run("sft", model, batch, SFTParams(logps_chunk_size=0))[0]
+    monkeypatch.setattr(common, "AUTO_CHUNK_ELEMENTS", 1)  # force the chunked path at this tiny size
+    monkeypatch.setattr(common, "AUTO_CHUNK_TARGET", 4 * 128 * 4)
+    assert common.resolve_chunk_size(-1, 4, 10, 128) == 4
+    automatic = run("sft", model, batch, SFTParams())[0]
+    np.testing.assert_allclose(automatic, plain, rtol=1e-5)
+
+
 def test_jit_equals_eager(model):
     batch = {k: jnp.asarray(v) for k, v in pair_batch().items()}
     eager, _ = objectives.OBJECTIVES["orpo"].fn(model, batch, objectives.ORPOParams())

@@ -58,16 +58,36 @@ def require(batch: Mapping[str, Any], *keys: str, objective: str) -> list[jax.Ar
     return [batch[k] for k in keys]
 
 
+# Logit elements (rows x positions x vocabulary) above which ``logps_chunk_size=-1`` (automatic) takes the chunked
+# path: 2^27 float32 logits are 512 MB per buffer, and the full path keeps several such buffers for the backward.
+AUTO_CHUNK_ELEMENTS = 1 << 27
+AUTO_CHUNK_TARGET = 1 << 24  # elements per chunk when chunking automatically (64 MB of float32 logits)
+
+
+def resolve_chunk_size(chunk_size: int, rows: int, length: int, vocab: int) -> int:
+    """``chunk_size`` as given when >= 0 (0 = full logits); for -1, a chunk size that keeps each chunk's logits
+    near ``AUTO_CHUNK_TARGET`` elements when the full logits would exceed ``AUTO_CHUNK_ELEMENTS``, else 0."""
+    if chunk_size >= 0:
+        return chunk_size
+    if rows * length * vocab < AUTO_CHUNK_ELEMENTS:
+        return 0
+    chunk = 1
+    while chunk * 2 * rows * vocab <= AUTO_CHUNK_TARGET and chunk * 2 < length:
+        chunk *= 2
+    return chunk
+
+
 def policy_token_logps(model, tokens: jax.Array, attention_mask: jax.Array, loss_mask: jax.Array, *,
                        inputs_embeds: jax.Array | None = None, segment_ids: jax.Array | None = None,
                        chunk_size: int = 0, return_hidden: bool = False):
     """Token log-probs ``[B, T]`` of ``tokens`` under ``model`` (and the final hidden states if asked).
 
     ``chunk_size > 0`` takes the memory-light path (``token_logps_from_hidden``): the ``[B, T, V]`` logits
-    are never held at once.
+    are never held at once; ``-1`` chooses (``resolve_chunk_size``).
     """
     hidden, _ = model.hidden_states(None if inputs_embeds is not None else tokens, attention_mask,
                                     inputs_embeds=inputs_embeds, segment_ids=segment_ids)
+    chunk_size = resolve_chunk_size(chunk_size, tokens.shape[0], tokens.shape[1], model.config.vocab_size)
     if chunk_size > 0:
         logps = token_logps_from_hidden(hidden, model.head_kernel(), tokens, loss_mask, chunk_size=chunk_size)
     else:

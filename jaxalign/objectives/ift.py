@@ -19,6 +19,7 @@ from jaxalign.objectives.common import (
     example_weights,
     policy_token_logps,
     require,
+    resolve_chunk_size,
     token_nll_metric,
     weighted_means,
 )
@@ -51,7 +52,7 @@ class IFTParams:
     detach_weights: bool = False
     embedding_grad: str = "none"
     normalization: str = "sequence"
-    logps_chunk_size: int = 0
+    logps_chunk_size: int = -1  # -1: chunked log-probs when the logits are large (resolve_chunk_size)
 
     def __post_init__(self):
         if self.embedding_grad not in EMBEDDING_GRADS:
@@ -87,6 +88,7 @@ def mixed_embeddings(model, tokens, attention_mask, loss_mask, lam, *, chunk_siz
     with jax.named_scope("ift_pass1"):
         hidden, _ = model.hidden_states(tokens, attention_mask)
         hidden = jax.lax.stop_gradient(hidden)
+        chunk_size = resolve_chunk_size(chunk_size, tokens.shape[0], tokens.shape[1], model.config.vocab_size)
         if chunk_size > 0:
             kernel = jax.lax.stop_gradient(model.head_kernel())
             greedy = losses.greedy_from_hidden(hidden, kernel, chunk_size=chunk_size)

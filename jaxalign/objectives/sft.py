@@ -27,7 +27,7 @@ class SFTParams:
     ``logps_chunk_size > 0`` uses the memory-light log-prob path."""
 
     normalization: str = "token"
-    logps_chunk_size: int = 0
+    logps_chunk_size: int = -1  # -1: chunked log-probs when the logits are large (resolve_chunk_size)
 
     def __post_init__(self):
         if self.normalization not in NORMALIZATIONS:
