@@ -93,7 +93,8 @@ def _count(n: int) -> str:
 def model_config_of(config: ml_collections.ConfigDict) -> LlamaConfig:
     """The architecture from ``model.path`` (config.json or GGUF header only), a known large preset, or the
     random model's ``model.shape``."""
-    common = dict(dtype=config.model.dtype, attention_impl=config.model.attention_impl, remat=config.model.remat)
+    common = dict(dtype=config.model.dtype, attention_impl=config.model.attention_impl, remat=config.model.remat,
+                  remat_policy=config.model.get("remat_policy", "nothing"))
     path = Path(config.model.path) if config.model.path else None
     if path is not None and path.exists():
         if path.suffix == ".gguf":
@@ -137,10 +138,15 @@ def activation_bytes(model: LlamaConfig, rows: int, length: int, tensor: int, *,
     if model.attention_impl == "xla":
         per_token += 2 * 4 * heads * length
     tokens = rows * length
+    # kept per token per layer under each remat policy: the layer input, plus every matmul output ("dots": the
+    # projections and, with XLA attention, the score matrix) or the projections only ("dots_no_batch")
+    projections = act * (2 * h + (2 * heads + 2 * kv) * model.head_dim + 3 * inter)
+    kept = {"nothing": act * h, "dots_no_batch": projections,
+            "dots": projections + (4 * heads * length if model.attention_impl == "xla" else 0)}
     if not grad:
         layers = per_token * tokens  # one layer live at a time
     elif model.remat:
-        layers = act * h * tokens * model.num_layers + per_token * tokens
+        layers = kept[model.remat_policy] * tokens * model.num_layers + per_token * tokens
     else:
         layers = per_token * tokens * model.num_layers
     head_positions = rows * (min(chunk_size, length) if chunk_size else length)

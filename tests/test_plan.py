@@ -38,7 +38,10 @@ def test_parameter_and_optimizer_bytes_match_a_sharded_state(mesh8):
     assert 3.9 < single.bytes["parameters"] / result.bytes["parameters"] < 4  # fsdp x tensor: 4-way (norms whole)
 
 
-@pytest.mark.parametrize(("name", "extra"), [("sft", []), ("sft", ["--config.model.remat=True"]), ("dpo", [])])
+@pytest.mark.parametrize(("name", "extra"), [
+    ("sft", []), ("sft", ["--config.model.remat=True"]), ("dpo", []),
+    ("sft", ["--config.model.remat=True", "--config.model.remat_policy=dots_no_batch"]),
+])
 def test_activation_estimate_is_within_25_percent_of_xla(name, extra):
     config = load_config(name, [*SHAPE, "--config.mesh.data=1", *extra])
     result = plan(config, 1)

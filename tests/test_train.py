@@ -197,9 +197,10 @@ def test_corrupt_latest_checkpoint_falls_back_with_a_warning(tmp_path):
 def test_remat_gives_the_same_loss_and_gradients():
     batch = {k: jnp.asarray(v) for k, v in next(sft_batches(1)).items()}
     results = []
-    for remat in (False, True):
-        model = create_model(TINY.replace(remat=remat), seed=3)
+    for remat, policy in ((False, "nothing"), (True, "nothing"), (True, "dots"), (True, "dots_no_batch")):
+        model = create_model(TINY.replace(remat=remat, remat_policy=policy), seed=3)
         results.append(nnx.value_and_grad(lambda m: get_objective("sft").fn(m, batch, make_params("sft"))[0])(model))
-    assert float(results[0][0]) == pytest.approx(float(results[1][0]), rel=1e-6)
-    for a, b in zip(jax.tree.leaves(results[0][1]), jax.tree.leaves(results[1][1]), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-6)
+    for other in results[1:]:
+        assert float(results[0][0]) == pytest.approx(float(other[0]), rel=1e-6)
+        for a, b in zip(jax.tree.leaves(results[0][1]), jax.tree.leaves(other[1]), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-6)

@@ -17,6 +17,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # "xla": explicit einsum attention (any mask, KV cache); "dot_product": jax.nn.dot_product_attention with
 # XLA's choice of kernel; "cudnn": its cuDNN flash-attention kernel (NVIDIA GPUs, bf16/fp16).
 ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
+REMAT_POLICIES = ("nothing", "dots", "dots_no_batch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,7 @@ class LlamaConfig:
     architecture: str = "llama"
     attention_impl: str = "xla"
     remat: bool = False
+    remat_policy: str = "nothing"  # with remat: what each layer keeps (models.llama.REMAT_POLICIES)
     dtype: str = "float32"
     param_dtype: str = "float32"
     bos_token_id: int | None = None
@@ -86,6 +88,8 @@ class LlamaConfig:
         if self.sliding_window_layers and len(self.sliding_window_layers) != self.num_layers:
             problems.append(f"sliding_window_layers has {len(self.sliding_window_layers)} entries for "
                             f"{self.num_layers} layers")
+        if self.remat_policy not in REMAT_POLICIES:
+            problems.append(f"remat_policy={self.remat_policy!r} (supported: {REMAT_POLICIES})")
         if self.attention_impl not in ATTENTION_IMPLS:
             problems.append(f"attention_impl={self.attention_impl!r} (supported: {ATTENTION_IMPLS})")
         for name in ("dtype", "param_dtype"):

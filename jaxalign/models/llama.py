@@ -215,7 +215,15 @@ def _call_layer(layer, *args):
     return layer(*args)
 
 
-_remat_layer = nnx.remat(_call_layer)
+# What a rematerialised layer keeps for the backward pass (``LlamaConfig.remat_policy``): "nothing" recomputes the
+# whole layer (least memory); "dots" keeps every matmul output (least recomputation); "dots_no_batch" keeps the
+# projections' outputs but not the attention score matmuls (whose size grows with the sequence squared).
+_POLICIES = {
+    "nothing": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+_remat_layers = {name: nnx.remat(_call_layer, policy=policy) for name, policy in _POLICIES.items()}
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -283,7 +291,7 @@ class LlamaForCausalLM(nnx.Module):
 
         cos, sin = rotary_tables(self.config, positions)
         x = constrain(x, ("batch", "length", "act_embed"))
-        run_layer = _remat_layer if self.config.remat and cache is None else _call_layer
+        run_layer = _remat_layers[self.config.remat_policy] if self.config.remat and cache is None else _call_layer
         masks: dict[int, jax.Array] = {}
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):

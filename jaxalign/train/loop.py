@@ -82,7 +82,8 @@ def materialise_data(config, workdir: Path) -> tuple[list[str], list[str]]:
 
 def build_model(config, mesh):
     """(policy model, HF tokenizer) from ``model.path`` or the random ``tiny`` preset."""
-    overrides = {"attention_impl": config.model.attention_impl, "remat": config.model.remat}
+    overrides = {"attention_impl": config.model.attention_impl, "remat": config.model.remat,
+                 "remat_policy": config.model.get("remat_policy", "nothing")}
     if config.model.path:
         model, tokenizer = load_pretrained(config.model.path, dtype=config.model.dtype, mesh=mesh,
                                            config_overrides=overrides)
