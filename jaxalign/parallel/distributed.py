@@ -76,15 +76,3 @@ def initialize(config: Any = None) -> bool:
                                local_device_ids=local_ids, initialization_timeout=int(timeout))
     return jax.process_count() > 1
 
-
-def is_main_process() -> bool:
-    """Process 0 writes files and logs; the others only compute."""
-    return jax.process_index() == 0
-
-
-def sync(name: str) -> None:
-    """A barrier across processes (a no-op with one): everyone reaches ``name`` before anyone continues."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
