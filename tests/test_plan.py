@@ -47,7 +47,7 @@ def test_activation_estimate_is_within_25_percent_of_xla(name, extra):
     params = nnx.to_pure_dict(params)
     tx, _ = make_optimizer(config.optim, 10)
     objective = get_objective(name)
-    step = make_train_step(graphdef, objective.fn, make_params(name), tx, with_reference=objective.uses_reference)
+    step = make_train_step(graphdef, objective.fn, make_params(name), tx)
     b, t = config.train.batch_size, config.data.max_length
     ones = jnp.ones((b, t), jnp.int32)
     if name == "sft":
