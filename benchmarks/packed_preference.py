@@ -81,7 +81,7 @@ def main() -> None:
     params = nnx.to_pure_dict(params)
     reference = jax.tree.map(jnp.copy, params)
     tx, _ = make_optimizer(OPTIM, 100)
-    step = make_train_step(graphdef, get_objective("dpo").fn, make_params("dpo"), tx, with_reference=True)
+    step = make_train_step(graphdef, get_objective("dpo").fn, make_params("dpo"), tx)
     layouts = {
         "padded (8 pairs per step, power-of-two buckets)": PipelineConfig(batch_size=8, seed=0),
         f"packed (4 rows of {2 * max_length} tokens per step)": PipelineConfig(

@@ -207,6 +207,8 @@ def cmd_train(args) -> int:
         if summary.get(key):
             print(f"{label:16s} {summary[key]}")
     print(f"{'export':16s} jaxalign export --checkpoint {summary['workdir']} --out {summary['workdir']}/hf")
+    if config.lora.enabled:
+        print(f"{'':16s} (adapters merged into the weights; add --adapter for a PEFT adapter folder)")
     print(f"took {summary['seconds']:.0f}s; {summary['skipped_updates']} updates skipped by the NaN guard")
     return 0
 
@@ -287,9 +289,13 @@ def cmd_route(args) -> int:
 def cmd_export(args) -> int:
     from jaxalign.train.export import export
 
-    out = export(args.checkpoint, args.out)
-    print(f"wrote {out} (config.json, safetensors, tokenizer); load it with "
-          "transformers.AutoModelForCausalLM.from_pretrained or jaxalign.models.load_hf")
+    out = export(args.checkpoint, args.out, adapter=args.adapter)
+    if args.adapter:
+        print(f"wrote {out} (adapter_config.json, adapter_model.safetensors, tokenizer); load it with "
+              "peft.PeftModel.from_pretrained(base_model, folder) or peft.AutoPeftModelForCausalLM")
+    else:
+        print(f"wrote {out} (config.json, safetensors, tokenizer); load it with "
+              "transformers.AutoModelForCausalLM.from_pretrained or jaxalign.models.load_hf")
     return 0
 
 
@@ -358,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex = commands.add_parser("export", help="write a run's checkpoint as a Hugging Face folder")
     ex.add_argument("--checkpoint", required=True, help="run folder (latest checkpoint) or checkpoints/STEP")
     ex.add_argument("--out", required=True, help="output folder")
+    ex.add_argument("--adapter", action="store_true",
+                    help="LoRA runs: write a PEFT adapter folder instead of weights with the adapters merged in")
     ex.set_defaults(func=cmd_export)
 
     ev = commands.add_parser("eval", help="exact-match accuracy of a run's checkpoint on records with 'answer'")

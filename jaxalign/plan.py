@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 
 from jaxalign.data.dataset import OBJECTIVE_KINDS
-from jaxalign.models import LlamaConfig, abstract_model
+from jaxalign.models import LlamaConfig, abstract_model, lora
 from jaxalign.objectives import OBJECTIVES, make_params
 from jaxalign.objectives.common import resolve_chunk_size
 from jaxalign.parallel.mesh import mesh_sizes
@@ -163,20 +163,37 @@ def plan(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
     tx, _ = make_optimizer(config.optim, config.train.steps)
     shardings = state_shardings(model, tx, mesh)
     params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(nnx.state(model)))
-    opt_state = jax.eval_shape(tx.init, params)
     name = config.objective.name
     objective = OBJECTIVES[name]
     hparams = make_params(name, config.objective.params.to_dict())
     notes: list[str] = []
+    num_params = int(sum(np.prod(p.shape) for p in jax.tree.leaves(params)))
 
     out: dict[str, float] = {}
-    out["parameters"] = _device_bytes(params, shardings.params)
-    out["optimizer state"] = _device_bytes(opt_state, shardings.opt_state)
-    out["gradients"] = out["parameters"] * (2 if config.train.grad_accum > 1 else 1)
+    lora_on = "lora" in config and config.lora.enabled
+    if lora_on:  # the base is frozen and held once; adapters are what trains, has moments and gradients
+        lora_config = lora.LoRAConfig.from_config(config.lora)
+        lora_model = lora.abstract_lora_model(model_config, lora_config)
+        trained_shardings = state_shardings(lora_model, tx, mesh, trained=nnx.LoRAParam)
+        trained = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
+                               nnx.to_pure_dict(nnx.state(lora_model, nnx.LoRAParam)))
+        out["base parameters (frozen)"] = _device_bytes(params, shardings.params)
+        out["LoRA adapters"] = _device_bytes(trained, trained_shardings.params)
+        trainable = lora.count_params(model_config, lora_config)["adapter"]
+        full_state = _device_bytes(jax.eval_shape(tx.init, params), shardings.opt_state)
+        shardings, params = trained_shardings, trained
+    else:
+        out["parameters"] = _device_bytes(params, shardings.params)
+        trainable = num_params
+    trained_bytes = _device_bytes(params, shardings.params)
+    out["optimizer state"] = _device_bytes(jax.eval_shape(tx.init, params), shardings.opt_state)
+    out["gradients"] = trained_bytes * (2 if config.train.grad_accum > 1 else 1)
     if config.train.grad_accum > 1:
         notes.append("gradients counted twice: the accumulator and one micro-batch's gradients")
     uses_reference = objective.uses_reference and not getattr(hparams, "reference_free", False)
-    if uses_reference and config.reference.kind == "model":
+    if uses_reference and config.reference.kind == "model" and lora_on:
+        notes.append("LoRA: the reference is the base with the adapters off (no second copy of the weights)")
+    elif uses_reference and config.reference.kind == "model":
         out["reference model"] = out["parameters"]
     elif uses_reference:
         notes.append("reference.kind=precomputed: no reference weights on the devices during training")
@@ -193,6 +210,11 @@ def plan(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
         notes.append("IFT adds a no-gradient forward pass for the greedy tokens; its peak is below the training pass")
     if not model_config.remat:
         notes.append("model.remat=False: every layer's activations are kept for the backward pass")
-    num_params = int(sum(np.prod(p.shape) for p in jax.tree.leaves(params)))
-    return Plan(mesh=sizes, num_params=num_params, trainable_params=num_params, bytes=out, rows_per_device=rows,
+    if lora_on:
+        full = (3 if uses_reference and config.reference.kind == "model" else 2) * out["base parameters (frozen)"] \
+            + full_state
+        notes.append(f"LoRA saves {(full - sum(v for k, v in out.items() if not k.startswith('activations'))) / GB:.2f}"
+                     " GB per device against full fine-tuning (parameters, gradients, optimizer state"
+                     f"{', reference' if uses_reference and config.reference.kind == 'model' else ''})")
+    return Plan(mesh=sizes, num_params=num_params, trainable_params=trainable, bytes=out, rows_per_device=rows,
                 sequence_length=length, notes=notes)

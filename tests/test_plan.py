@@ -50,7 +50,7 @@ def test_activation_estimate_is_within_25_percent_of_xla(name, extra):
     params = nnx.to_pure_dict(params)
     tx, _ = make_optimizer(config.optim, 10)
     objective = get_objective(name)
-    step = make_train_step(graphdef, objective.fn, make_params(name), tx, with_reference=objective.uses_reference)
+    step = make_train_step(graphdef, objective.fn, make_params(name), tx)
     b, t = config.train.batch_size, config.data.max_length
     ones = jnp.ones((b, t), jnp.int32)
     if name == "sft":
@@ -82,3 +82,27 @@ def test_cli_plans_an_8b_dpo_run_without_weights(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
     assert report["total"] == pytest.approx(sum(report["bytes"].values()))
+
+
+def test_lora_plan_matches_a_sharded_adapter_state_and_shows_the_saving(mesh8):
+    from jaxalign.models import lora
+
+    overrides = [*SHAPE, "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+                 "--config.lora.enabled=True", "--config.lora.rank=4"]
+    config = load_config("dpo", overrides)
+    result = plan(config, 8)
+    full = plan(load_config("dpo", overrides[:-2]), 8)
+    model_config = model_config_of(config)
+    lora_config = lora.LoRAConfig.from_config(config.lora)
+    tx, _ = make_optimizer(config.optim, config.train.steps)
+    shardings = state_shardings(lora.abstract_lora_model(model_config, lora_config), tx, mesh8, trained=nnx.LoRAParam)
+    with jax.set_mesh(mesh8):
+        adapters = lora.init_adapters(model_config, lora_config, seed=0, mesh=mesh8)
+        state = init_state(adapters, tx, 0, shardings)
+    assert result.bytes["LoRA adapters"] == device_bytes(state.params)
+    assert result.bytes["optimizer state"] == device_bytes(state.opt_state)
+    assert result.bytes["base parameters (frozen)"] == full.bytes["parameters"]
+    assert "reference model" not in result.bytes and "reference model" in full.bytes
+    assert result.trainable_params == lora.count_params(model_config, lora_config)["adapter"] < full.num_params / 10
+    assert any(note.startswith("LoRA saves") for note in result.notes)
+    assert result.total < full.total

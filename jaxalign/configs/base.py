@@ -37,9 +37,16 @@ def get_config(arg=None):
     config.objective = ml_collections.ConfigDict(dict(name="sft"))
     config.objective.params = ml_collections.ConfigDict()
 
-    # The frozen reference of DPO and MPO: "model" = the initial policy held once; "precomputed" = its log-probs
-    # computed before training and cached on disk under a content hash.
+    # The frozen reference of DPO and MPO: "model" = the initial policy held once (with LoRA: the base with the
+    # adapters off, sharing the policy's weights); "precomputed" = its log-probs computed before training and cached
+    # on disk under a content hash.
     config.reference = ml_collections.ConfigDict(dict(kind="model", cache_dir=""))
+
+    # LoRA: train low-rank adapters (update scaled by alpha / rank) on the listed projections; the base weights stay
+    # frozen and out of the optimizer and the checkpoints. See docs/lora.md.
+    config.lora = ml_collections.ConfigDict(dict(
+        enabled=False, rank=8, alpha=16.0, dropout=0.0,
+        target_modules="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"))
 
     config.optim = ml_collections.ConfigDict(dict(
         name="adamw", lr=3e-3, schedule="cosine", warmup_steps=50, min_lr_ratio=0.1, weight_decay=0.0, b1=0.9,

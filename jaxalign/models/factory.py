@@ -23,13 +23,13 @@ def abstract_model(config: LlamaConfig) -> LlamaForCausalLM:
     return nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
 
 
-def param_shardings(model: nnx.Module, mesh: Mesh, rules: Rules | None = None) -> nnx.State:
-    """A state tree of ``NamedSharding`` matching ``nnx.state(model)`` (works on abstract models too)."""
+def param_shardings(model: nnx.Module, mesh: Mesh, rules: Rules | None = None, *filters) -> nnx.State:
+    """A state tree of ``NamedSharding`` matching ``nnx.state(model, *filters)`` (works on abstract models too)."""
     def sharding_of(variable: nnx.Variable) -> NamedSharding:
         axes = getattr(variable, "logical_axes", None) or (None,) * len(variable.get_value().shape)
         return logical_sharding(axes, variable.get_value().shape, mesh, rules)
 
-    return jax.tree.map(sharding_of, nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(sharding_of, nnx.state(model, *filters), is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def create_model(config: LlamaConfig, *, seed: int = 0, mesh: Mesh | None = None,

@@ -6,7 +6,8 @@ optional q/k/v (and o) biases, tied or untied embeddings, configurable head_dim,
 The forward pass takes token ids or input embeddings, an attention mask (left or right padding),
 optional positions, optional segment ids (packing: attention stays inside a segment and positions
 restart), and an optional ``KVCache`` for incremental decoding. Every parameter carries logical axis
-names (``logical_axes`` metadata), mapped to mesh axes by ``jaxalign.parallel``.
+names (``logical_axes`` metadata), mapped to mesh axes by ``jaxalign.parallel``. A projection with a LoRA adapter
+attached next to it (``q_proj_lora``, see ``jaxalign.models.lora``) adds the adapter's low-rank update.
 
 Numerics follow the PyTorch reference (transformers' ``LlamaForCausalLM``): RMSNorm and softmax in
 float32, rotary tables in float32, matmuls in ``config.dtype``.
@@ -69,6 +70,13 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None, init:
     return nnx.Param(value, logical_axes=tuple(axes))
 
 
+def with_adapter(module: nnx.Module, kernel: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    """``y`` (= ``x`` through ``kernel``) plus the LoRA update of the adapter attached as ``{kernel}_lora``, if any
+    (``jaxalign.models.lora``)."""
+    adapter = getattr(module, f"{kernel}_lora", None)
+    return y if adapter is None else y + adapter(x).astype(y.dtype)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs):
         self.eps = eps
@@ -116,7 +124,7 @@ class Attention(nnx.Module):
 
     def _project(self, x, name: str) -> jax.Array:
         kernel = getattr(self, f"{name}_proj")[...].astype(x.dtype)
-        y = jnp.einsum("btd,dhk->bthk", x, kernel)
+        y = with_adapter(self, f"{name}_proj", x, jnp.einsum("btd,dhk->bthk", x, kernel))
         if self.config.qkv_bias:
             y = y + getattr(self, f"{name}_bias")[...].astype(x.dtype)
         return y
@@ -150,6 +158,7 @@ class Attention(nnx.Module):
 
     def _output(self, heads: jax.Array) -> jax.Array:
         y = jnp.einsum("bthk,hkd->btd", heads, self.o_proj[...].astype(heads.dtype))
+        y = with_adapter(self, "o_proj", heads, y)
         if self.config.o_bias:
             y = y + self.o_bias[...].astype(heads.dtype)
         return y
@@ -170,6 +179,7 @@ class MLP(nnx.Module):
     def __call__(self, x):
         def dense(inputs, name):
             y = inputs @ getattr(self, f"{name}_proj")[...].astype(x.dtype)
+            y = with_adapter(self, f"{name}_proj", inputs, y)
             return y + getattr(self, f"{name}_bias")[...].astype(x.dtype) if self.config.mlp_bias else y
 
         hidden = jax.nn.silu(dense(x, "gate")) * dense(x, "up")

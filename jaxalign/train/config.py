@@ -16,6 +16,7 @@ import jax
 import ml_collections
 
 from jaxalign.data.dataset import OBJECTIVE_KINDS
+from jaxalign.models.lora import TARGETS as LORA_TARGETS
 from jaxalign.objectives import OBJECTIVES, make_params
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -109,6 +110,23 @@ def path_inside(workdir: str | Path, relative: str, field: str) -> Path:
     return path
 
 
+def _lora_problems(lora) -> list[str]:
+    problems = []
+    if not isinstance(lora.rank, int) or lora.rank < 1:
+        problems.append(f"lora.rank={lora.rank!r} must be an integer >= 1 (8 or 16 are common)")
+    if not lora.alpha > 0:
+        problems.append(f"lora.alpha={lora.alpha!r} must be > 0 (the update is scaled by alpha / rank)")
+    if not 0 <= lora.dropout < 1:
+        problems.append(f"lora.dropout={lora.dropout!r} must be in [0, 1)")
+    targets = [t.strip() for t in lora.target_modules.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if unknown or not targets:
+        what = f"unknown {', '.join(unknown)}" if unknown else "empty"
+        problems.append(f"lora.target_modules={lora.target_modules!r}: {what}; use a comma-separated subset of "
+                        f"{','.join(LORA_TARGETS)}")
+    return problems
+
+
 def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
     """Checks the whole config; raises ``ConfigError`` naming the field and the fix."""
     num_devices = jax.device_count() if num_devices is None else num_devices
@@ -178,6 +196,8 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
         if dist.num_processes < 0 or (dist.num_processes and not -1 <= dist.process_id < dist.num_processes):
             problems.append(f"distributed.process_id={dist.process_id} must be in [0, distributed.num_processes="
                             f"{dist.num_processes})")
+    if config.lora.enabled:
+        problems += _lora_problems(config.lora)
     if not config.model.path and config.model.preset != "tiny":
         problems.append("model.path is empty: set it to a Hugging Face folder or .gguf file")
     if not config.model.path and not config.tokenizer:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxalign.data.sater import extract_answer
 from jaxalign.sampling import generate, left_pad
+from jaxalign.train.step import ModelParts, full_parts
 
 
 def prompt_of(record: dict):
@@ -48,13 +48,15 @@ def exact_match(model, tokenizer, records: list[dict], *, max_new_tokens: int = 
     return correct / len(usable)
 
 
-def make_eval_step(graphdef, objective, hparams):
+def make_eval_step(parts, objective, hparams):
+    """``eval_step(params, batch, frozen=None, step=0) -> metrics`` (jitted); ``parts`` as for
+    ``make_train_step`` (a ``ModelParts`` or a graphdef). No dropout."""
+    parts = parts if isinstance(parts, ModelParts) else full_parts(parts)
+
     @jax.jit
-    def eval_step(params, batch, reference_params=None, step=0):
-        model = nnx.merge(graphdef, params)
-        reference = nnx.merge(graphdef, reference_params) if reference_params is not None else None
-        _, metrics = objective(model, batch, hparams, reference=reference, step=jnp.asarray(step, jnp.int32),
-                               rng=jax.random.key(0))
+    def eval_step(params, batch, frozen=None, step=0):
+        _, metrics = objective(parts.policy(params, frozen, None), batch, hparams, reference=parts.reference(frozen),
+                               step=jnp.asarray(step, jnp.int32), rng=jax.random.key(0))
         return metrics
 
     return eval_step

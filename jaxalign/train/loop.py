@@ -32,13 +32,22 @@ from jaxalign.data import (
 )
 from jaxalign.data.sources import read_records
 from jaxalign.data.toy import GENERATORS, toy_tokenizer, write_jsonl
-from jaxalign.models import LlamaConfig, abstract_model, create_model, load_pretrained
+from jaxalign.models import LlamaConfig, abstract_model, create_model, load_pretrained, lora, param_shardings
 from jaxalign.objectives import get_objective, make_params
 from jaxalign.parallel import distributed, make_mesh
 from jaxalign.train import reference_cache
 from jaxalign.train.config import path_inside, validate
 from jaxalign.train.evaluate import exact_match, make_eval_step
-from jaxalign.train.step import TrainState, init_state, make_optimizer, make_train_step, state_shardings
+from jaxalign.train.step import (
+    ModelParts,
+    TrainState,
+    full_parts,
+    init_state,
+    lora_parts,
+    make_optimizer,
+    make_train_step,
+    state_shardings,
+)
 from jaxalign.train.writers import MetricWriter, plot_curves
 
 
@@ -108,6 +117,21 @@ def build_model(config, mesh):
     return model, tokenizer
 
 
+def lora_trainables(config, model, graphdef, params, tx, mesh, reference_model: bool):
+    """LoRA's (parts, fresh adapters, frozen base, state shardings, base shardings): only the adapters are
+    trained, held in the optimizer and checkpointed; the base weights are the step's frozen argument."""
+    lora_config = lora.LoRAConfig.from_config(config.lora)
+    counts = lora.count_params(model.config, lora_config)
+    log(f"LoRA r={lora_config.rank} on {','.join(lora_config.targets)}: {counts['adapter']:,} adapter parameters "
+        f"train ({100 * counts['adapter'] / counts['base']:.2f}% of the {counts['base']:,} frozen base parameters)")
+    parts = lora_parts(lora.lora_graphdef(model.config, lora_config), graphdef, with_reference=reference_model)
+    shardings = state_shardings(lora.abstract_lora_model(model.config, lora_config), tx, mesh,
+                                trained=nnx.LoRAParam)
+    with jax.set_mesh(mesh):
+        adapters = lora.init_adapters(model.config, lora_config, seed=config.seed, mesh=mesh)
+    return parts, adapters, params, shardings, nnx.to_pure_dict(param_shardings(abstract_model(model.config), mesh))
+
+
 @dataclasses.dataclass
 class Run:
     """Everything the loop needs, built once by ``setup``."""
@@ -122,8 +146,9 @@ class Run:
     eval_records: list[dict]
     objective: Any
     hparams: Any
+    parts: ModelParts
     state: TrainState
-    reference_params: Any
+    frozen: Any  # the step's frozen tree: the reference's weights, LoRA's base weights, or None
     step_fn: Any
     eval_fn: Any
     batch_sharding: Any
@@ -161,7 +186,7 @@ def setup(config: ml_collections.ConfigDict) -> Run:
     hparams = make_params(name, config.objective.params.to_dict())
 
     eval_sources = load_sources(eval_paths, tok, kind=kind, on_invalid="skip")[0] if eval_paths else []
-    reference_params = None
+    reference_params, reference_model = None, False
     if objective.uses_reference and not getattr(hparams, "reference_free", False):
         if config.reference.kind == "precomputed":
             cache_dir = path_inside(workdir, config.reference.cache_dir or "reference_cache", "reference.cache_dir")
@@ -174,8 +199,11 @@ def setup(config: ml_collections.ConfigDict) -> Run:
             if eval_sources:
                 eval_sources = attach(eval_sources, eval_paths)
             sources = attach(sources, train_paths)
+        elif config.lora.enabled:
+            reference_model = True  # the initial LoRA policy is its base: the reference is the base, adapters off
         else:
             reference_params = jax.tree.map(jnp.copy, params)  # frozen: the initial policy, held once
+            reference_model = True
 
     pipeline_config = PipelineConfig(
         batch_size=config.train.batch_size, seed=config.seed, shuffle=data.shuffle,
@@ -192,13 +220,19 @@ def setup(config: ml_collections.ConfigDict) -> Run:
         eval_records = [r for path in eval_paths for _, r in read_records(path) if isinstance(r, dict)]
 
     tx, schedule = make_optimizer(config.optim, config.train.steps)
-    shardings = state_shardings(abstract_model(model.config), tx, mesh)
     batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+    if config.lora.enabled:
+        parts, trained, frozen, shardings, frozen_shardings = lora_trainables(config, model, graphdef, params, tx,
+                                                                              mesh, reference_model)
+    else:
+        parts, trained, frozen = full_parts(graphdef), params, reference_params
+        shardings = state_shardings(abstract_model(model.config), tx, mesh)
+        frozen_shardings = shardings.params if frozen is not None else None
     with jax.set_mesh(mesh):
-        state = init_state(params, tx, config.seed, shardings)
-    step_fn = make_train_step(graphdef, objective.fn, hparams, tx, grad_accum=config.train.grad_accum,
+        state = init_state(trained, tx, config.seed, shardings)
+    step_fn = make_train_step(parts, objective.fn, hparams, tx, grad_accum=config.train.grad_accum,
                               nan_guard=config.train.nan_guard, schedule=schedule, shardings=shardings,
-                              batch_sharding=batch_sharding, with_reference=reference_params is not None)
+                              batch_sharding=batch_sharding, frozen_shardings=frozen_shardings)
     manager = ocp.CheckpointManager(
         (workdir / "checkpoints").resolve(),
         options=ocp.CheckpointManagerOptions(max_to_keep=config.train.keep_checkpoints,
@@ -207,8 +241,8 @@ def setup(config: ml_collections.ConfigDict) -> Run:
                           wandb_project=config.logging.wandb_project, config=config.to_dict())
     return Run(config=config, workdir=workdir, mesh=mesh, graphdef=graphdef, tokenizer=hf_tokenizer,
                pipeline=pipeline, eval_pipeline=eval_pipeline, eval_records=eval_records, objective=objective,
-               hparams=hparams, state=state, reference_params=reference_params, step_fn=step_fn,
-               eval_fn=make_eval_step(graphdef, objective.fn, hparams), batch_sharding=batch_sharding,
+               hparams=hparams, parts=parts, state=state, frozen=frozen, step_fn=step_fn,
+               eval_fn=make_eval_step(parts, objective.fn, hparams), batch_sharding=batch_sharding,
                manager=manager, writer=writer, schedule=schedule)
 
 
@@ -259,12 +293,12 @@ def evaluate(run: Run) -> dict[str, float]:
         totals: dict = {}
         run.eval_pipeline.restore({**run.eval_pipeline.state(), "epoch": 0, "step": 0})
         for _ in range(min(run.config.eval.batches, run.eval_pipeline.steps_per_epoch)):
-            metrics = run.eval_fn(run.state.params, device_batch(run, next(run.eval_pipeline)), run.reference_params,
+            metrics = run.eval_fn(run.state.params, device_batch(run, next(run.eval_pipeline)), run.frozen,
                                   run.state.step)
             totals = metrics if not totals else jax.tree.map(jnp.add, totals, metrics)
         out.update(reduce(totals))
     if run.eval_records and run.config.eval.generate > 0:
-        model = nnx.merge(run.graphdef, run.state.params)
+        model = run.parts.policy(run.state.params, run.frozen, None)
         out["accuracy"] = exact_match(model, run.tokenizer, run.eval_records[: run.config.eval.generate],
                                       max_new_tokens=run.config.eval.max_new_tokens)
     return out
@@ -325,8 +359,7 @@ def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
         while int(run.state.step) < cfg.steps:
             batch = next(run.pipeline)
             tokens_seen += int(sum(v.sum() for k, v in batch.items() if k.endswith("attention_mask")))
-            args = (run.state, device_batch(run, batch)) + ((run.reference_params,) if run.reference_params
-                                                            is not None else ())
+            args = (run.state, device_batch(run, batch)) + ((run.frozen,) if run.frozen is not None else ())
             run.state, metrics = run.step_fn(*args)
             window = metrics if not window else jax.tree.map(jnp.add, window, metrics)
             step = int(run.state.step)

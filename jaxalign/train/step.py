@@ -4,6 +4,11 @@ Parameters are a pure dict of arrays (``nnx.to_pure_dict``) merged into the mode
 state is a plain pytree that Orbax saves and ``jax.jit`` shards with explicit ``in_shardings`` /
 ``out_shardings`` (derived from ``eval_shape``, never by allocating twice) and donates.
 
+What is trained and what is frozen is described by ``ModelParts``: full fine-tuning trains the whole parameter
+dict (the frozen tree is the reference's weights, if any); LoRA trains the adapters only, so the state's
+``params`` and optimizer moments cover just the adapters while the base weights are the frozen tree, passed to
+the step as an argument and never updated, saved or copied (the reference is that base with the adapters off).
+
 Accumulation: the batch is split into ``grad_accum`` micro-batches scanned in order; the gradients of the
 objectives' loss *sums* and their denominators are added up and divided once, so an accumulated step equals the
 full-batch step.
@@ -20,7 +25,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxalign.models import param_shardings
+from jaxalign.models import lora, param_shardings
 from jaxalign.objectives.common import Metric
 
 
@@ -30,6 +35,34 @@ class TrainState(NamedTuple):
     opt_state: Any
     rng: jax.Array
     skipped: jax.Array  # updates skipped by the NaN/Inf guard
+
+
+class ModelParts(NamedTuple):
+    """How a step builds its models from the trained parameters and the frozen tree (its third argument).
+
+    ``policy(params, frozen, rng)`` -> the model the loss differentiates (``rng``: the step's key for adapter
+    dropout, None when evaluating); ``reference(frozen)`` -> the frozen reference model, or None.
+    """
+
+    policy: Callable[[Any, Any, jax.Array | None], nnx.Module]
+    reference: Callable[[Any], nnx.Module | None]
+
+
+def full_parts(graphdef) -> ModelParts:
+    """Full fine-tuning: ``params`` is the whole model; ``frozen`` (when given) is the reference's weights."""
+    return ModelParts(policy=lambda params, frozen, rng: nnx.merge(graphdef, params),
+                      reference=lambda frozen: None if frozen is None else nnx.merge(graphdef, frozen))
+
+
+def lora_parts(graphdef, base_graphdef, *, with_reference: bool) -> ModelParts:
+    """LoRA: ``params`` is the adapters (``graphdef`` from ``lora.lora_graphdef``), ``frozen`` the base weights;
+    the reference (``with_reference``) is the base with the adapters off, built on the same arrays."""
+    def policy(adapters, base, rng):
+        model = nnx.merge(graphdef, base, adapters)
+        return model if rng is None else lora.set_dropout_key(model, rng)
+
+    return ModelParts(policy=policy,
+                      reference=lambda base: nnx.merge(base_graphdef, base) if with_reference else None)
 
 
 def learning_rate_schedule(optim, total_steps: int) -> optax.Schedule:
@@ -62,13 +95,14 @@ def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformatio
     return optax.chain(*chain, core), schedule
 
 
-def state_shardings(abstract_model, tx: optax.GradientTransformation, mesh: Mesh, rules=None) -> TrainState:
-    """``TrainState`` of ``NamedSharding``: parameters by their logical axes, optimizer moments like the
-    parameters they track, scalars replicated."""
+def state_shardings(abstract_model, tx: optax.GradientTransformation, mesh: Mesh, rules=None, *,
+                    trained=nnx.Param) -> TrainState:
+    """``TrainState`` of ``NamedSharding``: the ``trained`` variables of ``abstract_model`` (``nnx.LoRAParam``
+    for LoRA) by their logical axes, optimizer moments like the parameters they track, scalars replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
-    params = nnx.to_pure_dict(param_shardings(abstract_model, mesh, rules))
+    params = nnx.to_pure_dict(param_shardings(abstract_model, mesh, rules, trained))
     abstract_params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
-                                   nnx.to_pure_dict(nnx.state(abstract_model)))
+                                   nnx.to_pure_dict(nnx.state(abstract_model, trained)))
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     opt = optax.tree_map_params(tx, lambda _, sharding: sharding, abstract_opt, params,
                                 transform_non_params=lambda _: replicated,
@@ -91,37 +125,39 @@ def _split_micro(batch: dict, n: int) -> dict:
     return {k: v.reshape(n, v.shape[0] // n, *v.shape[1:]) for k, v in batch.items()}
 
 
-def make_train_step(graphdef, objective: Callable, hparams, tx: optax.GradientTransformation, *, grad_accum: int = 1,
+def make_train_step(parts, objective: Callable, hparams, tx: optax.GradientTransformation, *, grad_accum: int = 1,
                     nan_guard: bool = True, schedule: optax.Schedule | None = None,
-                    shardings: TrainState | None = None, batch_sharding=None, with_reference: bool = False):
-    """``step(state, batch[, reference_params]) -> (state, metrics)``, jitted with donated state.
+                    shardings: TrainState | None = None, batch_sharding=None, frozen_shardings=None):
+    """``step(state, batch[, frozen]) -> (state, metrics)``, jitted with donated state.
 
-    ``metrics`` maps names to ``Metric(total, count)`` (this step's), plus ``grad_norm``, ``lr``,
-    ``skipped`` as ``Metric(value, 1)``.
+    ``parts``: a ``ModelParts``, or a graphdef for full fine-tuning (``full_parts``). ``frozen``: the tree the
+    models are built from besides ``state.params`` (the reference's weights, or LoRA's base); with
+    ``shardings``, give its shardings as ``frozen_shardings``. ``metrics`` maps names to ``Metric(total, count)``
+    (this step's), plus ``grad_norm``, ``lr``, ``skipped`` as ``Metric(value, 1)``.
     """
+    parts = parts if isinstance(parts, ModelParts) else full_parts(parts)
 
-    def loss_and_grads(params, reference_params, micro, step, rng):
+    def loss_and_grads(params, frozen, micro, step, rng):
         def summed_loss(params):
-            model = nnx.merge(graphdef, params)
-            reference = nnx.merge(graphdef, reference_params) if reference_params is not None else None
-            loss, metrics = objective(model, micro, hparams, reference=reference, step=step, rng=rng)
+            model = parts.policy(params, frozen, rng)
+            loss, metrics = objective(model, micro, hparams, reference=parts.reference(frozen), step=step, rng=rng)
             return loss * metrics["loss"].count, metrics
 
         return jax.value_and_grad(summed_loss, has_aux=True)(params)
 
-    def step_fn(state: TrainState, batch: dict, reference_params=None):
+    def step_fn(state: TrainState, batch: dict, frozen=None):
         rng = jax.random.wrap_key_data(state.rng)
         if grad_accum == 1:
-            (_, metrics), grads = loss_and_grads(state.params, reference_params, batch, state.step, rng)
+            (_, metrics), grads = loss_and_grads(state.params, frozen, batch, state.step, rng)
         else:
             def body(carry, micro):
                 grads, metrics = carry
-                (_, m), g = loss_and_grads(state.params, reference_params, micro, state.step, rng)
+                (_, m), g = loss_and_grads(state.params, frozen, micro, state.step, rng)
                 return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, metrics, m)), None
 
             first = _split_micro(batch, grad_accum)
             zero_grads = jax.tree.map(jnp.zeros_like, state.params)
-            shapes = jax.eval_shape(lambda: loss_and_grads(state.params, reference_params,
+            shapes = jax.eval_shape(lambda: loss_and_grads(state.params, frozen,
                                                            jax.tree.map(lambda x: x[0], first), state.step, rng))
             zero_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0][1])
             (grads, metrics), _ = jax.lax.scan(body, (zero_grads, zero_metrics), first)
@@ -147,5 +183,5 @@ def make_train_step(graphdef, objective: Callable, hparams, tx: optax.GradientTr
 
     if shardings is None:
         return jax.jit(step_fn, donate_argnums=0)
-    in_shardings = (shardings, batch_sharding) + ((shardings.params,) if with_reference else ())
+    in_shardings = (shardings, batch_sharding) + ((frozen_shardings,) if frozen_shardings is not None else ())
     return jax.jit(step_fn, in_shardings=in_shardings, out_shardings=(shardings, None), donate_argnums=0)
