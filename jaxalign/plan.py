@@ -98,10 +98,9 @@ def model_config_of(config: ml_collections.ConfigDict) -> LlamaConfig:
     path = Path(config.model.path) if config.model.path else None
     if path is not None and path.exists():
         if path.suffix == ".gguf":
-            from jaxalign.models.gguf import _fields, _open, config_from_gguf
+            from jaxalign.models.gguf import read_gguf_config
 
-            reader = _open(path)
-            model_config = config_from_gguf(_fields(reader), {t.name for t in reader.tensors}, source=str(path))
+            model_config = read_gguf_config(path)
         else:
             from jaxalign.models.hf import config_from_hf, read_hf_config
 

@@ -103,6 +103,9 @@ def test_cluster_detection():
     assert initialize({"mode": "auto"}) is False  # one process here: nothing to join
     with pytest.raises(ValueError, match=r"distributed.mode='sometimes'"):
         initialize({"mode": "sometimes"})
+    jax.devices()  # the backend is up: joining now is refused with a message, not a bare RuntimeError
+    with pytest.raises(ValueError, match="must happen first in a fresh process"):
+        initialize({"mode": "on", "coordinator_address": "127.0.0.1:1", "num_processes": 2, "process_id": 0})
 
 
 def test_slurm_environment_is_detected(tmp_path):

@@ -134,5 +134,7 @@ def test_whole_files_in_skip_mode_keep_every_valid_record(tmp_path_factory, reco
 
 def test_fuzzing_saw_over_a_thousand_records():
     """Runs after the fuzz tests above (file order): they generated and checked at least 1,000 records."""
+    if not SEEN["records"]:
+        pytest.skip("the fuzz tests above were not selected in this session")
     assert SEEN["records"] >= 1000, SEEN
     assert SEEN["rejected"] >= 500, SEEN

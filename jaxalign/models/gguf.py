@@ -179,6 +179,12 @@ def tokenizer_from_gguf(meta: dict[str, Any], *, source: str = "GGUF"):
     )
 
 
+def read_gguf_config(path: str | os.PathLike, *, dtype: str = "float32") -> LlamaConfig:
+    """The model config from a GGUF file's header (the tensors are not read)."""
+    reader = _open(path)
+    return config_from_gguf(_fields(reader), {t.name for t in reader.tensors}, dtype=dtype, source=str(path))
+
+
 def load_gguf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: Mesh | None = None,
               rules: Rules | None = None, config_overrides: Mapping[str, Any] | None = None,
               ) -> tuple[LlamaForCausalLM, Any]:

@@ -72,7 +72,16 @@ def initialize(config: Any = None) -> bool:
     # Cross-process collectives between CPU devices (tests over loopback, CPU clusters) need gloo.
     jax.config.update("jax_cpu_collectives_implementation", cfg.get("cpu_collectives", "gloo"))
     timeout = cfg.get("initialization_timeout", 300)
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
-                               local_device_ids=local_ids, initialization_timeout=int(timeout))
+    try:
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                   process_id=process_id, local_device_ids=local_ids,
+                                   initialization_timeout=int(timeout))
+    except RuntimeError as err:
+        if "before" not in str(err):
+            raise
+        reason = str(err).rstrip(".")
+        raise ValueError(f"distributed: {reason}. Joining a multi-process job must happen first in a fresh process "
+                         "(jaxalign train does it before anything else; in Python, call train() before any other "
+                         "JAX work)") from None
     return jax.process_count() > 1
 
