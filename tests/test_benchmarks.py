@@ -1,0 +1,53 @@
+"""benchmarks/cpu.py end to end at smoke size, jaxalign side only: every row is there, with sane numbers."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxalign.models import LlamaConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "ift", "mpo")
+
+
+@pytest.mark.slow
+def test_cpu_benchmark_smoke_writes_every_row(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as in a real run
+    done = subprocess.run([sys.executable, "benchmarks/cpu.py", "--smoke", "--no-torch", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [path] = tmp_path.glob("cpu-*-smoke.json")
+    result = json.loads(path.read_text())
+
+    assert Path(result["machine"]["jaxalign_path"]) == ROOT / "jaxalign"  # this checkout's package, not another
+    assert result["torch_interpreter"] == "skipped: --no-torch"
+    assert result["peak"]["jaxalign"]["gflops"] > 0
+    rows = {(r["objective"], r["logps_chunk_size"]): r for r in result["train"]}
+    assert set(rows) == {(name, 0) for name in OBJECTIVES} | {("sft", 16), ("dpo", 16)}
+    for row in rows.values():
+        assert "error" not in row, row
+        assert row["side"] == "jaxalign" and row["shape"] == "tiny"
+        assert row["step_s"] > 0 and row["compile_s"] > 0 and row["memory_bytes"] > 0
+        assert 0 < row["mfu"] < 1 and row["policy_mfu"] <= row["mfu"]
+        assert 0 < row["real_tokens"] <= row["padded_tokens"]
+        assert len(row["losses"]) == len(row["step_times_s"]) and all(map(math.isfinite, row["losses"]))
+    # the reference starts equal to the policy, so DPO's first loss is ln 2
+    assert rows[("dpo", 0)]["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
+    assert rows[("dpo", 16)]["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
+    # SFT: (6N + 12·L·H·hd·T) per real token, N without the untied input table; IFT adds a forward (a third)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                         num_kv_heads=2)
+    per_token = 6 * (config.num_params() - 512 * 64) + 12 * 2 * 4 * 16 * 32
+    sft, ift = rows[("sft", 0)], rows[("ift", 0)]
+    assert sft["model_gflop"] == pytest.approx(per_token * sft["real_tokens"] / 1e9)
+    assert ift["model_gflop"] == pytest.approx(sft["model_gflop"] * 4 / 3)
+    assert rows[("dpo", 0)]["real_tokens"] > sft["real_tokens"]  # chosen + rejected
+
+    sampling = {r["batch"]: r for r in result["sampling"]}
+    assert set(sampling) == {1, 8}
+    assert all(len(r["tokens"]) == batch and r["tokens_per_s"] > 0 for batch, r in sampling.items())
