@@ -214,7 +214,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from jaxalign.plan import HARDWARE, plan
+    from jaxalign.plan import HARDWARE, backend_of, plan
     from jaxalign.train import load_config
 
     config = load_config(args.config, args.overrides)
@@ -223,7 +223,7 @@ def cmd_plan(args) -> int:
                          "--memory-gb")
     import jax
 
-    result = plan(config, args.devices or jax.device_count())
+    result = plan(config, args.devices or jax.device_count(), backend=backend_of(args.hardware))
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

@@ -38,6 +38,10 @@ HARDWARE: dict[str, float] = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100-4
 # f32 [rows, length, vocab] buffers live at the head's peak in a training step: logits, log-softmax, softmax and
 # their gradients (read from XLA's buffer assignment of our train step on CPU; see tests/test_plan.py).
 LOGIT_COPIES = 6
+# The fused path (``token_logps_from_hidden``) holds about three f32 tiles of ``[tokens, tile]`` at once (logits,
+# their exp or gradient, the next tile's), plus a float32 gradient accumulator for the hidden states and the
+# kernel gradient's tiles.
+FUSED_TILE_COPIES = 3
 
 # Sequences in the forward pass per example, by data kind (chosen + rejected; MPO: two languages).
 ROWS_PER_EXAMPLE = {"sft": 1, "preference": 2, "mpo": 4}
@@ -127,8 +131,8 @@ def activation_bytes(model: LlamaConfig, rows: int, length: int, tensor: int, *,
 
     Without remat every layer keeps its inputs, norms, q/k/v, attention output, the MLP's gate/up/product, and
     (XLA attention) the f32 score and probability matrices; with remat each layer keeps only its input and one
-    layer's set is live during the backward pass. The head adds ``LOGIT_COPIES`` f32 logit-sized buffers, or one
-    chunk's worth with chunked log-probs.
+    layer's set is live during the backward pass. The head adds ``LOGIT_COPIES`` f32 logit-sized buffers, or with
+    the fused path (``chunk_size`` vocabulary columns per tile) ``FUSED_TILE_COPIES`` tiles and its accumulators.
     """
     act = jnp.dtype(model.dtype).itemsize
     h, inter = model.hidden_size, model.intermediate_size / tensor
@@ -148,13 +152,32 @@ def activation_bytes(model: LlamaConfig, rows: int, length: int, tensor: int, *,
         layers = kept[model.remat_policy] * tokens * model.num_layers + per_token * tokens
     else:
         layers = per_token * tokens * model.num_layers
-    head_positions = rows * (min(chunk_size, length) if chunk_size else length)
-    logits = head_positions * (model.vocab_size / tensor) * 4 * (LOGIT_COPIES if grad else 2)
-    return layers + logits
+    return layers + head_bytes(tokens, model.vocab_size / tensor, h, chunk_size=chunk_size, grad=grad)
 
 
-def plan(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
-    """Per-device memory of training ``config`` on ``num_devices`` devices with the config's mesh."""
+def backend_of(hardware: str | None) -> str:
+    """The JAX backend a ``--hardware`` name runs on (TPU generations start with "v"); JAX's own without one."""
+    if not hardware:
+        return jax.default_backend()
+    return "tpu" if hardware.lower().startswith("v") else "gpu"
+
+
+def head_bytes(tokens: int, vocab: float, hidden: int, *, chunk_size: int = 0, grad: bool = True) -> float:
+    """Estimated bytes at the head's peak for ``tokens`` positions: ``LOGIT_COPIES`` f32 ``[tokens, vocab]``
+    buffers on the plain path; on the fused path (``chunk_size`` vocabulary columns per tile) a few f32 tiles (two
+    when one tile spans the vocabulary) plus the hidden-state gradient accumulator and the kernel gradient."""
+    if not chunk_size:
+        return tokens * vocab * 4 * (LOGIT_COPIES if grad else 2)
+    tile = min(chunk_size, vocab)
+    if not grad:
+        return tokens * tile * 4 * 2
+    copies = 2 if tile >= vocab else FUSED_TILE_COPIES
+    return tokens * tile * 4 * copies + tokens * hidden * 4 + hidden * vocab * 4
+
+
+def plan(config: ml_collections.ConfigDict, num_devices: int, *, backend: str | None = None) -> Plan:
+    """Per-device memory of training ``config`` on ``num_devices`` devices with the config's mesh, on ``backend``
+    ("cpu", "gpu", "tpu"; default: JAX's), which picks the automatic log-prob path."""
     sizes = mesh_sizes(dict(config.mesh), num_devices)
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
     model_config = model_config_of(config)
@@ -203,7 +226,8 @@ def plan(config: ml_collections.ConfigDict, num_devices: int) -> Plan:
     rows = max(micro // data_parallel, 1) * ROWS_PER_EXAMPLE[kind]
     length = config.data.row_length if config.data.packing and config.data.row_length else config.data.max_length
     tensor = sizes.get("tensor", 1)
-    chunk = resolve_chunk_size(int(getattr(hparams, "logps_chunk_size", 0)), rows, length, model_config.vocab_size)
+    chunk = resolve_chunk_size(int(getattr(hparams, "logps_chunk_size", 0)), rows, length, model_config.vocab_size,
+                               backend)
     out["activations (estimate)"] = activation_bytes(model_config, rows, length, tensor, chunk_size=chunk)
     if name == "ift":
         notes.append("IFT adds a no-gradient forward pass for the greedy tokens; its peak is below the training pass")

@@ -283,3 +283,50 @@ def test_jit_matches_eager(name):
     assert eager_loss.dtype == jnp.float32 and eager_loss.shape == (8,)
     for key in eager_metrics:
         np.testing.assert_allclose(jit_metrics[key], eager_metrics[key], rtol=1e-6)
+
+
+@pytest.mark.parametrize(("tile", "scale"), [(5, 1.0), (13, 1.0), (64, 1.0), (7, 30.0)])
+def test_fused_head_matches_pytorch_log_softmax_and_autograd(tile, scale):
+    """``fused_head_logps`` (vocabulary tiles, online log-sum-exp, hand-written backward) against PyTorch's
+    log_softmax + gather and its autograd, with a tile that does not divide V and (scale 30) logits in the
+    hundreds, where a naive exp overflows."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.RandomState(tile)
+    hidden = rng.randn(23, 8).astype(np.float32) * scale
+    kernel = rng.randn(8, 61).astype(np.float32)
+    targets = rng.randint(0, 61, 23)
+    upstream = rng.randn(23).astype(np.float32)
+
+    logps, vjp = jax.vjp(lambda h, k: losses.fused_head_logps(h, k, jnp.asarray(targets), tile),
+                         jnp.asarray(hidden), jnp.asarray(kernel))
+    grad_hidden, grad_kernel = vjp(jnp.asarray(upstream))
+
+    th, tk = torch.tensor(hidden, requires_grad=True), torch.tensor(kernel, requires_grad=True)
+    expected = torch.log_softmax(th @ tk, -1).gather(-1, torch.tensor(targets)[:, None])[:, 0]
+    expected.backward(torch.tensor(upstream))
+    np.testing.assert_allclose(logps, expected.detach().numpy(), rtol=1e-5, atol=1e-4 * scale)
+    np.testing.assert_allclose(grad_hidden, th.grad.numpy(), rtol=1e-4, atol=1e-4 * scale)
+    np.testing.assert_allclose(grad_kernel, tk.grad.numpy(), rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_fused_head_in_bfloat16_follows_the_plain_path():
+    rng = np.random.RandomState(0)
+    hidden = jnp.asarray(rng.randn(2, 16, 32), jnp.bfloat16)
+    kernel = jnp.asarray(rng.randn(32, 300) * 0.2, jnp.float32)
+    tokens = jnp.asarray(rng.randint(0, 300, (2, 16)))
+    mask = jnp.ones((2, 16), jnp.int32)
+    plain = lambda h, k: losses.token_logps((h @ k.astype(h.dtype)).astype(jnp.float32), tokens, mask)
+    fused = lambda h, k: losses.token_logps_from_hidden(h, k, tokens, mask, chunk_size=128)
+    assert fused(hidden, kernel).dtype == jnp.float32
+    np.testing.assert_allclose(fused(hidden, kernel), plain(hidden, kernel), atol=0.1)
+    grads = jax.grad(lambda h, k: fused(h, k).sum(), argnums=(0, 1))(hidden, kernel)
+    assert grads[0].dtype == jnp.bfloat16 and grads[1].dtype == jnp.float32
+    reference = jax.grad(lambda h, k: plain(h.astype(jnp.float32), k).sum(), argnums=(0, 1))(hidden, kernel)
+    np.testing.assert_allclose(grads[1], reference[1], atol=0.1, rtol=0.05)
+
+
+def test_tiled_greedy_breaks_ties_like_argmax():
+    hidden = jnp.ones((1, 2, 1))
+    kernel = jnp.asarray([[0.0, 3.0, 1.0, 3.0, 3.0, 2.0]])  # the maximum at ids 1, 3 and 4, across tiles of 2
+    assert losses.greedy_from_hidden(hidden, kernel, chunk_size=2).tolist() == [[1, 1]]
+    assert losses.greedy_from_hidden(-hidden, kernel, chunk_size=4).tolist() == [[0, 0]]

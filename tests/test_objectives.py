@@ -123,17 +123,27 @@ def test_chunked_logps_objective_equals_plain(model, name):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-def test_automatic_chunking_by_size(model, monkeypatch):
+def test_automatic_log_prob_path_by_backend_and_size(model, monkeypatch):
     from jaxalign.objectives import common
 
-    assert common.resolve_chunk_size(-1, 8, 2048, 128256) == 16  # Llama-3 vocabulary: chunk (16 x 8 x V ~ 2^24)
-    assert common.resolve_chunk_size(-1, 8, 256, 4096) == 0  # 8M logits: the plain path
+    # accelerators: the plain path below 2^27 logits, else vocabulary tiles of about 2^24 logits
+    assert common.resolve_chunk_size(-1, 8, 2048, 128256, "tpu") == 1024  # Llama-3: 1024 x 16k tokens = 2^24
+    assert common.resolve_chunk_size(-1, 8, 256, 4096, "gpu") == 0  # 8M logits: the plain path
+    # the CPU: always the fused path, with cache-sized tiles (2^22 logits), 128 to 4096 columns, at most V
+    assert common.resolve_chunk_size(-1, 16, 452, 50257, "cpu") == 512
+    assert common.resolve_chunk_size(-1, 1, 4, 50257, "cpu") == 4096
+    assert common.resolve_chunk_size(-1, 1, 4, 300, "cpu") == 300
+    assert common.resolve_chunk_size(-1, 64, 4096, 128256, "cpu") == 128
     assert common.resolve_chunk_size(0, 8, 2048, 128256) == 0 and common.resolve_chunk_size(64, 1, 8, 8) == 64
     batch = sft_batch()
     plain = run("sft", model, batch, SFTParams(logps_chunk_size=0))[0]
-    monkeypatch.setattr(common, "AUTO_CHUNK_ELEMENTS", 1)  # force the chunked path at this tiny size
-    monkeypatch.setattr(common, "AUTO_CHUNK_TARGET", 4 * 128 * 4)
-    assert common.resolve_chunk_size(-1, 4, 10, 128) == 4
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert common.resolve_chunk_size(-1, 4, 10, 128) == 0
+    monkeypatch.setattr(common, "AUTO_CHUNK_ELEMENTS", 1)  # force the fused path at this tiny size
+    monkeypatch.setattr(common, "AUTO_CHUNK_TARGET", 4 * 10 * 16)
+    assert common.resolve_chunk_size(-1, 4, 10, 128) == 128  # never below MIN_TILE columns
+    monkeypatch.setattr(common, "MIN_TILE", 16)
+    assert common.resolve_chunk_size(-1, 4, 10, 128) == 16
     automatic = run("sft", model, batch, SFTParams())[0]
     np.testing.assert_allclose(automatic, plain, rtol=1e-5)
 

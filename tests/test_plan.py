@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from jaxalign import losses
 from jaxalign.cli import main
 from jaxalign.models import abstract_model, create_model
 from jaxalign.objectives import get_objective, make_params
-from jaxalign.plan import model_config_of, plan
+from jaxalign.plan import head_bytes, model_config_of, plan
 from jaxalign.train import load_config
 from jaxalign.train.step import init_state, make_optimizer, make_train_step, state_shardings
 
@@ -43,14 +44,16 @@ def test_parameter_and_optimizer_bytes_match_a_sharded_state(mesh8):
     ("sft", ["--config.model.remat=True", "--config.model.remat_policy=dots_no_batch"]),
 ])
 def test_activation_estimate_is_within_25_percent_of_xla(name, extra):
-    config = load_config(name, [*SHAPE, "--config.mesh.data=1", *extra])
+    # calibrated on the plain log-prob path (the fused head is checked on its own below)
+    config = load_config(name, [*SHAPE, "--config.mesh.data=1", "--config.objective.params.logps_chunk_size=0",
+                                *extra])
     result = plan(config, 1)
     model_config = model_config_of(config)
     graphdef, params = nnx.split(create_model(model_config, seed=0))
     params = nnx.to_pure_dict(params)
     tx, _ = make_optimizer(config.optim, 10)
     objective = get_objective(name)
-    step = make_train_step(graphdef, objective.fn, make_params(name), tx)
+    step = make_train_step(graphdef, objective.fn, make_params(name, {"logps_chunk_size": 0}), tx)
     b, t = config.train.batch_size, config.data.max_length
     ones = jnp.ones((b, t), jnp.int32)
     if name == "sft":
@@ -63,6 +66,29 @@ def test_activation_estimate_is_within_25_percent_of_xla(name, extra):
     xla = step.lower(*args).compile().memory_analysis().temp_size_in_bytes
     estimate = result.bytes["activations (estimate)"] + result.bytes["gradients"]
     assert 0.75 <= estimate / xla <= 1.25, (estimate, xla)
+
+
+@pytest.mark.parametrize("tile", [256, 1024, 4096])
+def test_fused_head_estimate_is_within_25_percent_of_xla(tile):
+    tokens, dim, vocab = 1024, 128, 4096
+    hidden, kernel = jnp.ones((8, tokens // 8, dim)), jnp.ones((dim, vocab))
+    ids = jnp.ones((8, tokens // 8), jnp.int32)
+    loss = lambda h, k: losses.token_logps_from_hidden(h, k, ids, ids, chunk_size=tile).sum()
+    xla = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(hidden, kernel).compile().memory_analysis()
+    estimate = head_bytes(tokens, vocab, dim, chunk_size=tile)
+    assert 0.75 <= estimate / xla.temp_size_in_bytes <= 1.25, (estimate, xla.temp_size_in_bytes)
+    plain = jax.jit(jax.grad(lambda h, k: losses.token_logps(h @ k, ids, ids).sum(), argnums=(0, 1)))
+    assert xla.temp_size_in_bytes < plain.lower(hidden, kernel).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_plan_picks_the_log_prob_path_of_the_target_backend():
+    config = load_config("dpo", ["--config.model.preset=llama3_8b", "--config.data.max_length=2048",
+                                 "--config.train.batch_size=8"])
+    on_cpu, on_tpu = plan(config, 8, backend="cpu"), plan(config, 8, backend="tpu")
+    assert on_cpu.bytes["activations (estimate)"] != on_tpu.bytes["activations (estimate)"]
+    small = load_config("sft", [*SHAPE, "--config.mesh.data=1"])  # 4M logits: the plain path off the CPU
+    assert plan(small, 1, backend="gpu").bytes["activations (estimate)"] > plan(small, 1, backend="cpu").bytes[
+        "activations (estimate)"]
 
 
 def test_cli_plans_an_8b_dpo_run_without_weights(capsys):

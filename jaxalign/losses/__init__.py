@@ -4,7 +4,13 @@ Nothing here runs a model or touches I/O; ``jaxalign.objectives`` runs the forwa
 """
 
 from jaxalign.losses.ift import ift, ift_weights, reverse_discounted_cumsum
-from jaxalign.losses.logps import greedy_from_hidden, sequence_logps, token_logps, token_logps_from_hidden
+from jaxalign.losses.logps import (
+    fused_head_logps,
+    greedy_from_hidden,
+    sequence_logps,
+    token_logps,
+    token_logps_from_hidden,
+)
 from jaxalign.losses.mpo import mpo, reward_gap
 from jaxalign.losses.preference import DPO_LOSS_TYPES, dpo, log1mexp, orpo, simpo
 from jaxalign.losses.sft import sft
@@ -12,6 +18,7 @@ from jaxalign.losses.sft import sft
 __all__ = [
     "DPO_LOSS_TYPES",
     "dpo",
+    "fused_head_logps",
     "greedy_from_hidden",
     "ift",
     "ift_weights",
