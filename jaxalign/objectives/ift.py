@@ -52,7 +52,7 @@ class IFTParams:
     detach_weights: bool = False
     embedding_grad: str = "none"
     normalization: str = "sequence"
-    logps_chunk_size: int = -1  # -1: chunked log-probs when the logits are large (resolve_chunk_size)
+    logps_chunk_size: int = -1  # vocabulary tile of the fused head; 0: plain logits; -1: auto (resolve_chunk_size)
 
     def __post_init__(self):
         if self.embedding_grad not in EMBEDDING_GRADS:

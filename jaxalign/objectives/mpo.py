@@ -24,7 +24,7 @@ class MPOParams:
     beta: float = 1.0
     pooling: str = "mean"
     preserve_hidden: bool = True
-    logps_chunk_size: int = -1  # -1: chunked log-probs when the logits are large (resolve_chunk_size)
+    logps_chunk_size: int = -1  # vocabulary tile of the fused head; 0: plain logits; -1: auto (resolve_chunk_size)
 
     def __post_init__(self):
         if self.pooling not in POOLINGS:

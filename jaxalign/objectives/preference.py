@@ -102,7 +102,7 @@ class DPOParams:
     loss_type: str = "sigmoid"
     reference_free: bool = False
     ipo_average: bool = True
-    logps_chunk_size: int = -1  # -1: chunked log-probs when the logits are large (resolve_chunk_size)
+    logps_chunk_size: int = -1  # vocabulary tile of the fused head; 0: plain logits; -1: auto (resolve_chunk_size)
 
     def __post_init__(self):
         if self.loss_type not in losses.DPO_LOSS_TYPES:
@@ -145,7 +145,7 @@ class SimPOParams:
     gamma_beta_ratio: float = 0.8
     label_smoothing: float = 0.0
     loss_type: str = "sigmoid"
-    logps_chunk_size: int = -1  # -1: chunked log-probs when the logits are large (resolve_chunk_size)
+    logps_chunk_size: int = -1  # vocabulary tile of the fused head; 0: plain logits; -1: auto (resolve_chunk_size)
 
     def __post_init__(self):
         if self.loss_type not in ("sigmoid", "hinge"):
@@ -167,7 +167,7 @@ class ORPOParams:
     """``lam``: weight of the odds-ratio term (TRL's ``beta``; 0.1 in TRL, 0.25 in the IFT experiments)."""
 
     lam: float = 0.1
-    logps_chunk_size: int = -1  # -1: chunked log-probs when the logits are large (resolve_chunk_size)
+    logps_chunk_size: int = -1  # vocabulary tile of the fused head; 0: plain logits; -1: auto (resolve_chunk_size)
 
 
 def orpo(model, batch, hparams: ORPOParams = ORPOParams(), **_):

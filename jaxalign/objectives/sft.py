@@ -24,10 +24,10 @@ NORMALIZATIONS = ("token", "sequence")
 class SFTParams:
     """``normalization``: ``token`` = mean NLL over every trained token of the batch (TRL's default);
     ``sequence`` = mean over sequences of each sequence's token-mean NLL (the IFT code's SFT).
-    ``logps_chunk_size > 0`` uses the memory-light log-prob path."""
+    ``logps_chunk_size``: see ``policy_token_logps`` (fused head, plain logits, or automatic)."""
 
     normalization: str = "token"
-    logps_chunk_size: int = -1  # -1: chunked log-probs when the logits are large (resolve_chunk_size)
+    logps_chunk_size: int = -1  # vocabulary tile of the fused head; 0: plain logits; -1: auto (resolve_chunk_size)
 
     def __post_init__(self):
         if self.normalization not in NORMALIZATIONS:
