@@ -16,7 +16,6 @@ float32, rotary tables in float32, matmuls in ``config.dtype``.
 from __future__ import annotations
 
 import math
-
 from typing import NamedTuple
 
 import jax
