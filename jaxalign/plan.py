@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 
 from jaxalign.data.dataset import OBJECTIVE_KINDS
+from jaxalign.losses.logps import HEAD_BLOCK_ROWS
 from jaxalign.models import LlamaConfig, abstract_model, lora
 from jaxalign.objectives import OBJECTIVES, make_params
 from jaxalign.objectives.common import resolve_chunk_size
@@ -164,15 +165,16 @@ def backend_of(hardware: str | None) -> str:
 
 def head_bytes(tokens: int, vocab: float, hidden: int, *, chunk_size: int = 0, grad: bool = True) -> float:
     """Estimated bytes at the head's peak for ``tokens`` positions: ``LOGIT_COPIES`` f32 ``[tokens, vocab]``
-    buffers on the plain path; on the fused path (``chunk_size`` vocabulary columns per tile) a few f32 tiles (two
-    when one tile spans the vocabulary) plus the hidden-state gradient accumulator and the kernel gradient."""
+    buffers on the plain path; on the fused path (``chunk_size`` vocabulary columns per tile, blocks of
+    ``HEAD_BLOCK_ROWS`` rows) a few f32 ``[block, tile]`` tiles plus the
+    hidden-state gradient accumulator and the kernel gradient."""
     if not chunk_size:
         return tokens * vocab * 4 * (LOGIT_COPIES if grad else 2)
     tile = min(chunk_size, vocab)
     if not grad:
-        return tokens * tile * 4 * 2
-    copies = 2 if tile >= vocab else FUSED_TILE_COPIES
-    return tokens * tile * 4 * copies + tokens * hidden * 4 + hidden * vocab * 4
+        return min(tokens, HEAD_BLOCK_ROWS) * tile * 4 * 2
+    block = min(tokens, HEAD_BLOCK_ROWS)
+    return block * tile * 4 * FUSED_TILE_COPIES + tokens * hidden * 4 + hidden * vocab * 4
 
 
 def plan(config: ml_collections.ConfigDict, num_devices: int, *, backend: str | None = None) -> Plan:

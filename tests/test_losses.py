@@ -285,28 +285,32 @@ def test_jit_matches_eager(name):
         np.testing.assert_allclose(jit_metrics[key], eager_metrics[key], rtol=1e-6)
 
 
-@pytest.mark.parametrize(("tile", "scale"), [(5, 1.0), (13, 1.0), (64, 1.0), (7, 30.0)])
-def test_fused_head_matches_pytorch_log_softmax_and_autograd(tile, scale):
-    """``fused_head_logps`` (vocabulary tiles, online log-sum-exp, hand-written backward) against PyTorch's
-    log_softmax + gather and its autograd, with a tile that does not divide V and (scale 30) logits in the
-    hundreds, where a naive exp overflows."""
+@pytest.mark.parametrize(("tile", "block", "scale"), [(5, 4, 1.0), (13, 23, 1.0), (64, 1024, 1.0), (7, 6, 30.0)])
+def test_fused_head_matches_pytorch_log_softmax_and_autograd(tile, block, scale):
+    """``fused_head_logps`` (valid rows gathered into blocks, vocabulary tiles, online log-sum-exp, hand-written
+    backward) against PyTorch's log_softmax + gather and its autograd, with tiles and blocks that do not divide
+    V and N and (scale 30) logits in the hundreds, where a naive exp overflows. Invalid rows give 0 and no
+    gradient."""
     torch = pytest.importorskip("torch")
     rng = np.random.RandomState(tile)
     hidden = rng.randn(23, 8).astype(np.float32) * scale
     kernel = rng.randn(8, 61).astype(np.float32)
     targets = rng.randint(0, 61, 23)
+    valid = rng.rand(23) > 0.3
     upstream = rng.randn(23).astype(np.float32)
 
-    logps, vjp = jax.vjp(lambda h, k: losses.fused_head_logps(h, k, jnp.asarray(targets), tile),
-                         jnp.asarray(hidden), jnp.asarray(kernel))
+    logps, vjp = jax.vjp(lambda h, k: losses.fused_head_logps(h, k, jnp.asarray(targets), jnp.asarray(valid), tile,
+                                                              block), jnp.asarray(hidden), jnp.asarray(kernel))
     grad_hidden, grad_kernel = vjp(jnp.asarray(upstream))
 
     th, tk = torch.tensor(hidden, requires_grad=True), torch.tensor(kernel, requires_grad=True)
     expected = torch.log_softmax(th @ tk, -1).gather(-1, torch.tensor(targets)[:, None])[:, 0]
+    expected = expected * torch.tensor(valid)
     expected.backward(torch.tensor(upstream))
     np.testing.assert_allclose(logps, expected.detach().numpy(), rtol=1e-5, atol=1e-4 * scale)
     np.testing.assert_allclose(grad_hidden, th.grad.numpy(), rtol=1e-4, atol=1e-4 * scale)
     np.testing.assert_allclose(grad_kernel, tk.grad.numpy(), rtol=1e-4, atol=1e-4 * scale)
+    assert np.all(np.asarray(logps)[~valid] == 0) and np.all(np.asarray(grad_hidden)[~valid] == 0)
 
 
 def test_fused_head_in_bfloat16_follows_the_plain_path():

@@ -77,8 +77,9 @@ def test_fused_head_estimate_is_within_25_percent_of_xla(tile):
     xla = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(hidden, kernel).compile().memory_analysis()
     estimate = head_bytes(tokens, vocab, dim, chunk_size=tile)
     assert 0.75 <= estimate / xla.temp_size_in_bytes <= 1.25, (estimate, xla.temp_size_in_bytes)
-    plain = jax.jit(jax.grad(lambda h, k: losses.token_logps(h @ k, ids, ids).sum(), argnums=(0, 1)))
-    assert xla.temp_size_in_bytes < plain.lower(hidden, kernel).compile().memory_analysis().temp_size_in_bytes
+    if tile < vocab:  # tiles narrower than the vocabulary are what saves memory
+        plain = jax.jit(jax.grad(lambda h, k: losses.token_logps(h @ k, ids, ids).sum(), argnums=(0, 1)))
+        assert xla.temp_size_in_bytes < plain.lower(hidden, kernel).compile().memory_analysis().temp_size_in_bytes
 
 
 def test_plan_picks_the_log_prob_path_of_the_target_backend():

@@ -55,76 +55,127 @@ def _tile_logits(hidden: jax.Array, kernel_tile: jax.Array, start: jax.Array, vo
     return jnp.where(column < vocab, logits, -jnp.inf)
 
 
-def _fused_forward(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, tile: int):
-    """``(logps [N], logsumexp [N])`` by one pass over vocabulary tiles with a running max and sum."""
+HEAD_BLOCK_ROWS = 1024  # rows (positions) per block of the fused head
+
+
+def _sorted_blocks(hidden: jax.Array, targets: jax.Array, valid: jax.Array, block: int):
+    """The rows to compute moved to the front (stable), padded to whole blocks of ``block`` rows:
+    ``(order, hidden, targets, number of valid rows)``. Blocks past the valid rows are never computed."""
+    rows = hidden.shape[0]
+    pad = -(-rows // block) * block - rows
+    order = jnp.argsort(jnp.logical_not(valid), stable=True)
+    count = valid.astype(jnp.int32).sum()
+    return order, jnp.pad(hidden[order], ((0, pad), (0, 0))), jnp.pad(targets[order], (0, pad)), count
+
+
+def _fused_forward(hidden, kernel, targets, valid, tile: int, block: int):
+    """``(logps [N], residuals)``: one pass over vocabulary tiles (``lax.scan``), and in each over the blocks of
+    rows to compute (a ``fori_loop``), keeping a running max, sum and target logit per row (online log-sum-exp)."""
     vocab = kernel.shape[1]
+    order, rows_hidden, rows_target, count = _sorted_blocks(hidden, targets, valid, block)
+    n_blocks = (count + block - 1) // block
+    padded = rows_hidden.shape[0]
     tiles = _vocab_tiles(kernel.astype(hidden.dtype), tile)
     ones = jnp.ones((tile,), jnp.float32)
 
-    def body(carry, xs):
-        running_max, running_sum, target = carry
+    def tile_body(carry, xs):
         kernel_tile, start = xs
-        logits = _tile_logits(hidden, kernel_tile, start, vocab)
-        new_max = jnp.maximum(running_max, logits.max(axis=-1))
-        # exp as an elementwise pass and the row sum as a matrix-vector product: both vectorise on the CPU,
-        # where a fused exp-and-sum reduction runs several times slower
-        running_sum = running_sum * jnp.exp(running_max - new_max) + jnp.exp(logits - new_max[:, None]) @ ones
-        local = targets - start
-        inside = (local >= 0) & (local < tile)
-        picked = jnp.take_along_axis(logits, jnp.clip(local, 0, tile - 1)[:, None], axis=-1)[:, 0]
-        return (new_max, running_sum, target + jnp.where(inside, picked, 0.0)), None
 
-    rows = hidden.shape[0]
-    init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows,), jnp.float32))
+        def block_body(b, carry):
+            running_max, running_sum, target = carry
+            first = b * block
+            h = jax.lax.dynamic_slice_in_dim(rows_hidden, first, block)
+            local = jax.lax.dynamic_slice_in_dim(rows_target, first, block) - start
+            old_max = jax.lax.dynamic_slice_in_dim(running_max, first, block)
+            logits = _tile_logits(h, kernel_tile, start, vocab)
+            new_max = jnp.maximum(old_max, logits.max(axis=-1))
+            # exp as an elementwise pass and the row sum as a matrix-vector product: both vectorise on the
+            # CPU, where a fused exp-and-sum reduction runs several times slower
+            new_sum = (jax.lax.dynamic_slice_in_dim(running_sum, first, block) * jnp.exp(old_max - new_max)
+                       + jnp.exp(logits - new_max[:, None]) @ ones)
+            inside = (local >= 0) & (local < tile)
+            picked = jnp.take_along_axis(logits, jnp.clip(local, 0, tile - 1)[:, None], axis=-1)[:, 0]
+            new_target = jax.lax.dynamic_slice_in_dim(target, first, block) + jnp.where(inside, picked, 0.0)
+            return tuple(jax.lax.dynamic_update_slice_in_dim(whole, part, first, 0) for whole, part in
+                         ((running_max, new_max), (running_sum, new_sum), (target, new_target)))
+
+        return jax.lax.fori_loop(0, n_blocks, block_body, carry), None
+
+    init = (jnp.full((padded,), -jnp.inf, jnp.float32), jnp.zeros((padded,), jnp.float32),
+            jnp.zeros((padded,), jnp.float32))
     starts = jnp.arange(tiles.shape[0], dtype=jnp.int32) * tile
-    (running_max, running_sum, target), _ = jax.lax.scan(body, init, (tiles, starts))
-    lse = running_max + jnp.log(running_sum)
-    return target - lse, lse
+    (running_max, running_sum, target), _ = jax.lax.scan(tile_body, init, (tiles, starts))
+    computed = jnp.arange(padded) < n_blocks * block
+    lse = jnp.where(computed, running_max + jnp.log(running_sum), 0.0)
+    logps_sorted = jnp.where(jnp.arange(padded) < count, target - lse, 0.0)
+    logps = jnp.zeros(hidden.shape[0], jnp.float32).at[order].set(logps_sorted[: hidden.shape[0]])
+    return logps, (order, rows_hidden, rows_target, lse, count)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def fused_head_logps(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, tile: int) -> jax.Array:
-    """``log_softmax(hidden @ kernel)[row, targets[row]]`` as ``[N]`` float32, never holding ``[N, V]``.
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def fused_head_logps(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, valid: jax.Array, tile: int,
+                     block: int = HEAD_BLOCK_ROWS) -> jax.Array:
+    """``log_softmax(hidden @ kernel)[row, targets[row]]`` as ``[N]`` float32 where ``valid``, else 0; never holds
+    ``[N, V]``.
 
-    The vocabulary is walked in tiles of ``tile`` columns (a ``lax.scan``): the forward pass keeps a running
-    max and sum per row (online log-sum-exp), the backward pass recomputes each tile's logits and forms its
-    gradient ``g * (onehot - softmax)`` directly, so at most ``N x tile`` logits exist at once and no
-    ``[N, V]`` scatter or second log-sum-exp is made. Four matmuls of ``N x D x V`` in all (forward,
-    recompute, two for the gradients) against three for the plain path, with far fewer passes over memory.
+    The rows to compute are gathered to the front (only they are computed: for preference data the prompt
+    positions are skipped) and cut into blocks of ``block`` rows; the vocabulary is walked in tiles of ``tile``
+    columns. The forward pass keeps a running max and sum per row (online log-sum-exp); the backward pass
+    recomputes each tile's logits and forms its gradient ``g * (onehot - softmax)`` directly, so at most
+    ``block x tile`` logits exist at once and no ``[N, V]`` scatter or second log-sum-exp is made. Four matmuls of
+    ``rows x D x V`` in all (forward, recompute, two for the gradients), over the valid rows only.
 
     Args:
       hidden: ``[N, D]`` final (normed) hidden states, any float dtype (the matmuls run in it, accumulating
         in float32).
       kernel: ``[D, V]`` unembedding.
       targets: ``[N]`` integer ids in ``[0, V)``.
+      valid: ``[N]`` bool, the rows whose log-prob is wanted (no gradient flows from the others).
       tile: vocabulary columns per tile.
+      block: rows per block.
     """
-    return _fused_forward(hidden, kernel, targets, tile)[0]
+    return _fused_forward(hidden, kernel, targets, valid, tile, min(block, hidden.shape[0]))[0]
 
 
-def _fused_head_fwd(hidden, kernel, targets, tile):
-    logps, lse = _fused_forward(hidden, kernel, targets, tile)
-    return logps, (hidden, kernel, targets, lse)
+def _fused_head_fwd(hidden, kernel, targets, valid, tile, block):
+    logps, residuals = _fused_forward(hidden, kernel, targets, valid, tile, min(block, hidden.shape[0]))
+    return logps, (kernel, *residuals)
 
 
-def _fused_head_bwd(tile, residuals, grad):
-    hidden, kernel, targets, lse = residuals
-    vocab = kernel.shape[1]
-    tiles = _vocab_tiles(kernel.astype(hidden.dtype), tile)
-    grad = grad.astype(jnp.float32)
+def _fused_head_bwd(tile, block, residuals, grad):
+    kernel, order, rows_hidden, rows_target, lse, count = residuals
+    rows, vocab = order.shape[0], kernel.shape[1]
+    block = min(block, rows)
+    n_blocks = (count + block - 1) // block
+    tiles = _vocab_tiles(kernel.astype(rows_hidden.dtype), tile)
+    rows_grad = jnp.pad(grad.astype(jnp.float32)[order], (0, rows_hidden.shape[0] - rows))
+    rows_grad = jnp.where(jnp.arange(rows_hidden.shape[0]) < count, rows_grad, 0.0)  # the rows left out: none
 
-    def body(grad_hidden, xs):
+    def tile_body(grad_hidden, xs):
         kernel_tile, start = xs
-        logits = _tile_logits(hidden, kernel_tile, start, vocab)
-        onehot = (start + jnp.arange(tile)) == targets[:, None]
-        dlogits = (grad[:, None] * (onehot - jnp.exp(logits - lse[:, None]))).astype(hidden.dtype)
-        grad_hidden = grad_hidden + jnp.dot(dlogits, kernel_tile.T, preferred_element_type=jnp.float32)
-        return grad_hidden, jnp.dot(hidden.T, dlogits, preferred_element_type=jnp.float32)
+
+        def block_body(b, carry):
+            grad_hidden, grad_tile = carry
+            first = b * block
+            h = jax.lax.dynamic_slice_in_dim(rows_hidden, first, block)
+            logits = _tile_logits(h, kernel_tile, start, vocab)
+            onehot = (start + jnp.arange(tile)) == jax.lax.dynamic_slice_in_dim(rows_target, first, block)[:, None]
+            softmax = jnp.exp(logits - jax.lax.dynamic_slice_in_dim(lse, first, block)[:, None])
+            g = jax.lax.dynamic_slice_in_dim(rows_grad, first, block)
+            dlogits = (g[:, None] * (onehot - softmax)).astype(h.dtype)
+            part = (jax.lax.dynamic_slice_in_dim(grad_hidden, first, block)
+                    + jnp.dot(dlogits, kernel_tile.T, preferred_element_type=jnp.float32))
+            grad_tile = grad_tile + jnp.dot(h.T, dlogits, preferred_element_type=jnp.float32)
+            return jax.lax.dynamic_update_slice_in_dim(grad_hidden, part, first, 0), grad_tile
+
+        init = (grad_hidden, jnp.zeros((rows_hidden.shape[1], tile), jnp.float32))
+        return jax.lax.fori_loop(0, n_blocks, block_body, init)
 
     starts = jnp.arange(tiles.shape[0], dtype=jnp.int32) * tile
-    grad_hidden, grad_tiles = jax.lax.scan(body, jnp.zeros(hidden.shape, jnp.float32), (tiles, starts))
+    grad_sorted, grad_tiles = jax.lax.scan(tile_body, jnp.zeros(rows_hidden.shape, jnp.float32), (tiles, starts))
+    grad_hidden = jnp.zeros((rows, rows_hidden.shape[1]), jnp.float32).at[order].set(grad_sorted[:rows])
     grad_kernel = grad_tiles.transpose(1, 0, 2).reshape(kernel.shape[0], -1)[:, :vocab]
-    return grad_hidden.astype(hidden.dtype), grad_kernel.astype(kernel.dtype), None
+    return grad_hidden.astype(rows_hidden.dtype), grad_kernel.astype(kernel.dtype), None, None
 
 
 fused_head_logps.defvjp(_fused_head_fwd, _fused_head_bwd)
@@ -132,23 +183,23 @@ fused_head_logps.defvjp(_fused_head_fwd, _fused_head_bwd)
 
 def token_logps_from_hidden(hidden: jax.Array, head_kernel: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
                             *, chunk_size: int = 512) -> jax.Array:
-    """Memory-light, fused ``token_logps``: never builds the ``[B, T, V]`` logits (``fused_head_logps``).
+    """Memory-light, fused ``token_logps``: never builds the ``[B, T, V]`` logits, and computes the head only at
+    the positions whose next token is trained (``fused_head_logps``).
 
     Args:
       hidden: final (normed) hidden states ``[B, T, D]``.
       head_kernel: ``[D, V]`` unembedding (the transposed embedding table for tied models).
       tokens, loss_mask: as in ``token_logps``.
-      chunk_size: vocabulary columns per tile; at most ``B * T * chunk_size`` logits exist at once.
+      chunk_size: vocabulary columns per tile; at most ``HEAD_BLOCK_ROWS * chunk_size`` logits exist at once.
     Returns:
       ``[B, T]`` float32, equal to ``token_logps(hidden @ head_kernel, tokens, loss_mask)``.
     """
     batch, length, dim = hidden.shape
     targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1))).astype(jnp.int32)  # target of position t is token t+1
     tile = min(chunk_size, head_kernel.shape[1])
-    logps = fused_head_logps(hidden.reshape(-1, dim), head_kernel, targets.reshape(-1), tile)
-    logps = logps.reshape(batch, length)[:, : length - 1]
-    mask = loss_mask[:, 1:].astype(bool)
-    return jnp.pad(jnp.where(mask, logps, 0.0), ((0, 0), (1, 0)))
+    valid = jnp.pad(loss_mask[:, 1:].astype(bool), ((0, 0), (0, 1)))  # position t carries token t+1's log-prob
+    logps = fused_head_logps(hidden.reshape(-1, dim), head_kernel, targets.reshape(-1), valid.reshape(-1), tile)
+    return jnp.pad(logps.reshape(batch, length)[:, : length - 1], ((0, 0), (1, 0)))
 
 
 def greedy_from_hidden(hidden: jax.Array, head_kernel: jax.Array, *, chunk_size: int = 512) -> jax.Array:

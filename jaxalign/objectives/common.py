@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxalign.losses import token_logps, token_logps_from_hidden
+from jaxalign.losses.logps import HEAD_BLOCK_ROWS
 
 
 class Metric(NamedTuple):
@@ -60,12 +61,12 @@ def require(batch: Mapping[str, Any], *keys: str, objective: str) -> list[jax.Ar
 
 # ``logps_chunk_size=-1`` (automatic): on accelerators, the fused path (``token_logps_from_hidden``) when the
 # forward pass's logits would exceed AUTO_CHUNK_ELEMENTS (2^27 float32 logits are 512 MB per buffer, and the plain
-# path keeps several such buffers for the backward), with tiles of about AUTO_CHUNK_TARGET logits. On the CPU the
-# fused path is always taken, with tiles of about CPU_TILE_TARGET logits (16 MB, cache-sized): it measured 1.9-2.6x
-# faster than the plain path at every benchmarked shape (docs/benchmarks.md).
+# path keeps several such buffers for the backward), with blocks x tiles of about AUTO_CHUNK_TARGET logits. On the
+# CPU the fused path is always taken, with blocks x tiles of about CPU_TILE_TARGET logits (8 MB, cache-sized): it
+# measured 1.9-2.6x faster than the plain path at every benchmarked shape (docs/benchmarks.md).
 AUTO_CHUNK_ELEMENTS = 1 << 27
 AUTO_CHUNK_TARGET = 1 << 24
-CPU_TILE_TARGET = 1 << 22
+CPU_TILE_TARGET = 1 << 21
 MIN_TILE, MAX_CPU_TILE = 128, 4096
 
 
@@ -76,6 +77,7 @@ def resolve_chunk_size(chunk_size: int, rows: int, length: int, vocab: int, back
     if chunk_size >= 0:
         return chunk_size
     tokens = max(rows * length, 1)
+    block = min(tokens, HEAD_BLOCK_ROWS)  # rows per block of the fused head
     if (backend or jax.default_backend()) == "cpu":
         target, cap = CPU_TILE_TARGET, MAX_CPU_TILE
     elif tokens * vocab < AUTO_CHUNK_ELEMENTS:
@@ -83,7 +85,7 @@ def resolve_chunk_size(chunk_size: int, rows: int, length: int, vocab: int, back
     else:
         target, cap = AUTO_CHUNK_TARGET, vocab
     tile = MIN_TILE
-    while tile * 2 * tokens <= target and tile * 2 <= cap:
+    while tile * 2 * block <= target and tile * 2 <= cap:
         tile *= 2
     return min(tile, vocab)
 
