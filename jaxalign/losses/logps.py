@@ -59,21 +59,25 @@ HEAD_BLOCK_ROWS = 1024  # rows (positions) per block of the fused head
 
 
 def _sorted_blocks(hidden: jax.Array, targets: jax.Array, valid: jax.Array, block: int):
-    """The rows to compute moved to the front (stable), padded to whole blocks of ``block`` rows:
-    ``(order, hidden, targets, number of valid rows)``. Blocks past the valid rows are never computed."""
+    """``(order, hidden, targets, keep, blocks to compute)``: the rows padded to whole blocks of ``block`` rows,
+    ``keep`` marking the valid ones. With ``block < N`` the valid rows are moved to the front (stable) and the
+    blocks past them are never computed; with one block (``block == N``) the rows stay in place."""
     rows = hidden.shape[0]
+    if block >= rows:  # one block: no reordering (what a sharded batch keeps local)
+        return jnp.arange(rows), hidden, targets, valid, 1
     pad = -(-rows // block) * block - rows
     order = jnp.argsort(jnp.logical_not(valid), stable=True)
     count = valid.astype(jnp.int32).sum()
-    return order, jnp.pad(hidden[order], ((0, pad), (0, 0))), jnp.pad(targets[order], (0, pad)), count
+    keep = jnp.pad(valid[order], (0, pad))
+    return (order, jnp.pad(hidden[order], ((0, pad), (0, 0))), jnp.pad(targets[order], (0, pad)), keep,
+            (count + block - 1) // block)
 
 
 def _fused_forward(hidden, kernel, targets, valid, tile: int, block: int):
     """``(logps [N], residuals)``: one pass over vocabulary tiles (``lax.scan``), and in each over the blocks of
     rows to compute (a ``fori_loop``), keeping a running max, sum and target logit per row (online log-sum-exp)."""
     vocab = kernel.shape[1]
-    order, rows_hidden, rows_target, count = _sorted_blocks(hidden, targets, valid, block)
-    n_blocks = (count + block - 1) // block
+    order, rows_hidden, rows_target, keep, n_blocks = _sorted_blocks(hidden, targets, valid, block)
     padded = rows_hidden.shape[0]
     tiles = _vocab_tiles(kernel.astype(hidden.dtype), tile)
     ones = jnp.ones((tile,), jnp.float32)
@@ -107,9 +111,16 @@ def _fused_forward(hidden, kernel, targets, valid, tile: int, block: int):
     (running_max, running_sum, target), _ = jax.lax.scan(tile_body, init, (tiles, starts))
     computed = jnp.arange(padded) < n_blocks * block
     lse = jnp.where(computed, running_max + jnp.log(running_sum), 0.0)
-    logps_sorted = jnp.where(jnp.arange(padded) < count, target - lse, 0.0)
-    logps = jnp.zeros(hidden.shape[0], jnp.float32).at[order].set(logps_sorted[: hidden.shape[0]])
-    return logps, (order, rows_hidden, rows_target, lse, count)
+    logps_sorted = jnp.where(keep, target - lse, 0.0)
+    logps = _unsort(logps_sorted, order, block >= hidden.shape[0])
+    return logps, (order, rows_hidden, rows_target, lse, keep, n_blocks)
+
+
+def _unsort(sorted_rows: jax.Array, order: jax.Array, in_place: bool) -> jax.Array:
+    rows = order.shape[0]
+    if in_place:
+        return sorted_rows[:rows]
+    return jnp.zeros((rows, *sorted_rows.shape[1:]), sorted_rows.dtype).at[order].set(sorted_rows[:rows])
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -143,13 +154,13 @@ def _fused_head_fwd(hidden, kernel, targets, valid, tile, block):
 
 
 def _fused_head_bwd(tile, block, residuals, grad):
-    kernel, order, rows_hidden, rows_target, lse, count = residuals
+    kernel, order, rows_hidden, rows_target, lse, keep, n_blocks = residuals
     rows, vocab = order.shape[0], kernel.shape[1]
     block = min(block, rows)
-    n_blocks = (count + block - 1) // block
     tiles = _vocab_tiles(kernel.astype(rows_hidden.dtype), tile)
-    rows_grad = jnp.pad(grad.astype(jnp.float32)[order], (0, rows_hidden.shape[0] - rows))
-    rows_grad = jnp.where(jnp.arange(rows_hidden.shape[0]) < count, rows_grad, 0.0)  # the rows left out: none
+    grad = grad.astype(jnp.float32)
+    rows_grad = grad if block >= rows else jnp.pad(grad[order], (0, rows_hidden.shape[0] - rows))
+    rows_grad = jnp.where(keep, rows_grad, 0.0)  # the rows left out get no gradient
 
     def tile_body(grad_hidden, xs):
         kernel_tile, start = xs
@@ -173,7 +184,7 @@ def _fused_head_bwd(tile, block, residuals, grad):
 
     starts = jnp.arange(tiles.shape[0], dtype=jnp.int32) * tile
     grad_sorted, grad_tiles = jax.lax.scan(tile_body, jnp.zeros(rows_hidden.shape, jnp.float32), (tiles, starts))
-    grad_hidden = jnp.zeros((rows, rows_hidden.shape[1]), jnp.float32).at[order].set(grad_sorted[:rows])
+    grad_hidden = _unsort(grad_sorted, order, block >= rows)
     grad_kernel = grad_tiles.transpose(1, 0, 2).reshape(kernel.shape[0], -1)[:, :vocab]
     return grad_hidden.astype(rows_hidden.dtype), grad_kernel.astype(kernel.dtype), None, None
 
@@ -183,8 +194,8 @@ fused_head_logps.defvjp(_fused_head_fwd, _fused_head_bwd)
 
 def token_logps_from_hidden(hidden: jax.Array, head_kernel: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
                             *, chunk_size: int = 512) -> jax.Array:
-    """Memory-light, fused ``token_logps``: never builds the ``[B, T, V]`` logits, and computes the head only at
-    the positions whose next token is trained (``fused_head_logps``).
+    """Memory-light, fused ``token_logps``: never builds the ``[B, T, V]`` logits, and (on one device) computes the
+    head only at the positions whose next token is trained (``fused_head_logps``).
 
     Args:
       hidden: final (normed) hidden states ``[B, T, D]``.
@@ -198,7 +209,12 @@ def token_logps_from_hidden(hidden: jax.Array, head_kernel: jax.Array, tokens: j
     targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1))).astype(jnp.int32)  # target of position t is token t+1
     tile = min(chunk_size, head_kernel.shape[1])
     valid = jnp.pad(loss_mask[:, 1:].astype(bool), ((0, 0), (0, 1)))  # position t carries token t+1's log-prob
-    logps = fused_head_logps(hidden.reshape(-1, dim), head_kernel, targets.reshape(-1), valid.reshape(-1), tile)
+    mesh = jax.sharding.get_abstract_mesh()
+    # on a mesh of several devices the rows stay in one block, in place: gathering the valid rows of a sharded
+    # batch would move them across devices
+    block = batch * length if not mesh.empty and mesh.size > 1 else HEAD_BLOCK_ROWS
+    logps = fused_head_logps(hidden.reshape(-1, dim), head_kernel, targets.reshape(-1), valid.reshape(-1), tile,
+                             block)
     return jnp.pad(logps.reshape(batch, length)[:, : length - 1], ((0, 0), (1, 0)))
 
 
