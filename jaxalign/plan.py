@@ -174,7 +174,8 @@ def head_bytes(tokens: int, vocab: float, hidden: int, *, chunk_size: int = 0, g
     if not grad:
         return min(tokens, HEAD_BLOCK_ROWS) * tile * 4 * 2
     block = min(tokens, HEAD_BLOCK_ROWS)
-    return block * tile * 4 * FUSED_TILE_COPIES + tokens * hidden * 4 + hidden * vocab * 4
+    copies = 2 if tile >= vocab and block >= tokens else FUSED_TILE_COPIES  # one tile, rows in place
+    return block * tile * 4 * copies + tokens * hidden * 4 + hidden * vocab * 4
 
 
 def plan(config: ml_collections.ConfigDict, num_devices: int, *, backend: str | None = None) -> Plan:

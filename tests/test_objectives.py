@@ -129,10 +129,11 @@ def test_automatic_log_prob_path_by_backend_and_size(model, monkeypatch):
     # accelerators: the plain path below 2^27 logits, else vocabulary tiles of about 2^24 logits
     assert common.resolve_chunk_size(-1, 8, 2048, 128256, "tpu") == 16384  # Llama-3: blocks of 1024 rows x 2^14
     assert common.resolve_chunk_size(-1, 8, 256, 4096, "gpu") == 0  # 8M logits: the plain path
-    # the CPU: always the fused path, with cache-sized blocks x tiles (2^21 logits), 128 to 4096 columns, at most V
+    # the CPU: the fused path from 2^22 logits, cache-sized blocks x tiles (2^21 logits), 128 to 4096 columns
     assert common.resolve_chunk_size(-1, 16, 452, 50257, "cpu") == 2048
-    assert common.resolve_chunk_size(-1, 1, 4, 50257, "cpu") == 4096
-    assert common.resolve_chunk_size(-1, 1, 4, 300, "cpu") == 300
+    assert common.resolve_chunk_size(-1, 1, 4, 50257, "cpu") == 0  # 201k logits: the plain path
+    assert common.resolve_chunk_size(-1, 1, 128, 50257, "cpu") == 4096
+    assert common.resolve_chunk_size(-1, 1, 16384, 300, "cpu") == 300  # at most V
     assert common.resolve_chunk_size(-1, 1, 512, 128256, "cpu") == 4096
     assert common.resolve_chunk_size(-1, 64, 4096, 128256, "cpu") == 2048
     assert common.resolve_chunk_size(0, 8, 2048, 128256) == 0 and common.resolve_chunk_size(64, 1, 8, 8) == 64
