@@ -63,8 +63,8 @@ def require(batch: Mapping[str, Any], *keys: str, objective: str) -> list[jax.Ar
 # forward pass's logits would exceed AUTO_CHUNK_ELEMENTS (2^27 float32 logits are 512 MB per buffer, and the plain
 # path keeps several such buffers for the backward), with blocks x tiles of about AUTO_CHUNK_TARGET logits. On the
 # CPU the fused path is taken from CPU_FUSED_ELEMENTS logits up, with blocks x tiles of about CPU_TILE_TARGET
-# logits (8 MB, cache-sized): the DPO step measured 2.2x faster than on the plain path at the GPT-2 vocabulary, 9 % slower at the SmolLM2-135M shape
-# (docs/benchmarks.md).
+# logits (8 MB, cache-sized): the DPO step measured 2.2x faster than on the plain path at the GPT-2 vocabulary,
+# 9 % slower at the SmolLM2-135M shape (docs/benchmarks.md).
 AUTO_CHUNK_ELEMENTS = 1 << 27
 AUTO_CHUNK_TARGET = 1 << 24
 CPU_TILE_TARGET = 1 << 21
