@@ -39,7 +39,7 @@ HARDWARE: dict[str, float] = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "a100-4
 # f32 [rows, length, vocab] buffers live at the head's peak in a training step: logits, log-softmax, softmax and
 # their gradients (read from XLA's buffer assignment of our train step on CPU; see tests/test_plan.py).
 LOGIT_COPIES = 6
-# The fused path (``token_logps_from_hidden``) holds about three f32 tiles of ``[tokens, tile]`` at once (logits,
+# The fused path (``token_logps_from_hidden``) holds about three f32 tiles of ``[block, tile]`` at once (logits,
 # their exp or gradient, the next tile's), plus a float32 gradient accumulator for the hidden states and the
 # kernel gradient's tiles.
 FUSED_TILE_COPIES = 3

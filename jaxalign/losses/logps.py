@@ -41,11 +41,13 @@ def sequence_logps(logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array) -
     return token_logps(logits, tokens, loss_mask).sum(axis=1), n_tokens
 
 
-def _vocab_tiles(kernel: jax.Array, tile: int) -> jax.Array:
-    """``[D, V]`` -> ``[n, D, tile]``, zero-padded on the vocabulary to ``n * tile`` columns."""
+def _vocab_tiles(kernel: jax.Array, tile: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """``(tiles [n, D, tile], first column of each [n])``: ``kernel [D, V]`` in ``dtype``, zero-padded on the
+    vocabulary to ``n * tile`` columns; what the fused head's ``lax.scan`` walks over."""
     dim, vocab = kernel.shape
     n = -(-vocab // tile)
-    return jnp.pad(kernel, ((0, 0), (0, n * tile - vocab))).reshape(dim, n, tile).transpose(1, 0, 2)
+    tiles = jnp.pad(kernel.astype(dtype), ((0, 0), (0, n * tile - vocab))).reshape(dim, n, tile).transpose(1, 0, 2)
+    return tiles, jnp.arange(n, dtype=jnp.int32) * tile
 
 
 def _tile_logits(hidden: jax.Array, kernel_tile: jax.Array, start: jax.Array, vocab: int) -> jax.Array:
@@ -79,7 +81,7 @@ def _fused_forward(hidden, kernel, targets, valid, tile: int, block: int):
     vocab = kernel.shape[1]
     order, rows_hidden, rows_target, keep, n_blocks = _sorted_blocks(hidden, targets, valid, block)
     padded = rows_hidden.shape[0]
-    tiles = _vocab_tiles(kernel.astype(hidden.dtype), tile)
+    tiles_and_starts = _vocab_tiles(kernel, tile, hidden.dtype)
     ones = jnp.ones((tile,), jnp.float32)
 
     def tile_body(carry, xs):
@@ -107,8 +109,7 @@ def _fused_forward(hidden, kernel, targets, valid, tile: int, block: int):
 
     init = (jnp.full((padded,), -jnp.inf, jnp.float32), jnp.zeros((padded,), jnp.float32),
             jnp.zeros((padded,), jnp.float32))
-    starts = jnp.arange(tiles.shape[0], dtype=jnp.int32) * tile
-    (running_max, running_sum, target), _ = jax.lax.scan(tile_body, init, (tiles, starts))
+    (running_max, running_sum, target), _ = jax.lax.scan(tile_body, init, tiles_and_starts)
     computed = jnp.arange(padded) < n_blocks * block
     lse = jnp.where(computed, running_max + jnp.log(running_sum), 0.0)
     logps_sorted = jnp.where(keep, target - lse, 0.0)
@@ -157,7 +158,7 @@ def _fused_head_bwd(tile, block, residuals, grad):
     kernel, order, rows_hidden, rows_target, lse, keep, n_blocks = residuals
     rows, vocab = order.shape[0], kernel.shape[1]
     block = min(block, rows)
-    tiles = _vocab_tiles(kernel.astype(rows_hidden.dtype), tile)
+    tiles_and_starts = _vocab_tiles(kernel, tile, rows_hidden.dtype)
     grad = grad.astype(jnp.float32)
     rows_grad = grad if block >= rows else jnp.pad(grad[order], (0, rows_hidden.shape[0] - rows))
     rows_grad = jnp.where(keep, rows_grad, 0.0)  # the rows left out get no gradient
@@ -182,8 +183,7 @@ def _fused_head_bwd(tile, block, residuals, grad):
         init = (grad_hidden, jnp.zeros((rows_hidden.shape[1], tile), jnp.float32))
         return jax.lax.fori_loop(0, n_blocks, block_body, init)
 
-    starts = jnp.arange(tiles.shape[0], dtype=jnp.int32) * tile
-    grad_sorted, grad_tiles = jax.lax.scan(tile_body, jnp.zeros(rows_hidden.shape, jnp.float32), (tiles, starts))
+    grad_sorted, grad_tiles = jax.lax.scan(tile_body, jnp.zeros(rows_hidden.shape, jnp.float32), tiles_and_starts)
     grad_hidden = _unsort(grad_sorted, order, block >= rows)
     grad_kernel = grad_tiles.transpose(1, 0, 2).reshape(kernel.shape[0], -1)[:, :vocab]
     return grad_hidden.astype(rows_hidden.dtype), grad_kernel.astype(kernel.dtype), None, None
@@ -225,7 +225,7 @@ def greedy_from_hidden(hidden: jax.Array, head_kernel: jax.Array, *, chunk_size:
     vocab = head_kernel.shape[1]
     tile = min(chunk_size, vocab)
     flat = hidden.reshape(-1, dim)
-    tiles = _vocab_tiles(head_kernel.astype(hidden.dtype), tile)
+    tiles_and_starts = _vocab_tiles(head_kernel, tile, hidden.dtype)
 
     def body(carry, xs):
         best_value, best_index = carry
@@ -236,6 +236,5 @@ def greedy_from_hidden(hidden: jax.Array, head_kernel: jax.Array, *, chunk_size:
         return (jnp.where(better, value, best_value), jnp.where(better, index, best_index)), None
 
     init = (jnp.full((flat.shape[0],), -jnp.inf, jnp.float32), jnp.zeros((flat.shape[0],), jnp.int32))
-    starts = jnp.arange(tiles.shape[0], dtype=jnp.int32) * tile
-    (_, best), _ = jax.lax.scan(body, init, (tiles, starts))
+    (_, best), _ = jax.lax.scan(body, init, tiles_and_starts)
     return best.reshape(batch, length)
