@@ -20,6 +20,7 @@ if str(REPO) not in sys.path:  # running from a checkout without `pip install -e
     sys.path.insert(0, str(REPO))
 
 from jaxalign.configs import base  # noqa: E402
+from jaxalign.data.tokenize import as_tokenizer  # noqa: E402
 from jaxalign.train import train  # noqa: E402
 from jaxalign.train.export import restore_model  # noqa: E402
 
@@ -132,8 +133,7 @@ def completion_logps(model, tokenizer, prompts: list[str], completions: list[str
 
     rows, spans = [], []
     for prompt, completion in zip(prompts, completions, strict=True):
-        head = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=True)["input_ids"]
+        head = as_tokenizer(tokenizer).encode_prompt(prompt)
         tail = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append(head + tail)
         spans.append((len(head), len(head) + len(tail)))

@@ -30,6 +30,7 @@ from common import (
 )
 
 from jaxalign.data.sater import extract_answer
+from jaxalign.data.tokenize import as_tokenizer
 from jaxalign.data.toy import write_jsonl
 from jaxalign.sampling import TextModel, nudge, nudge_cached
 
@@ -90,8 +91,7 @@ def run_seed(seed: int, sizes: dict, workdir, smoke: bool) -> dict:
     small_model, _, _ = train_model(small_cfg)
     base, nudger = TextModel(base_model, tokenizer), TextModel(small_model, tokenizer)
     base_prompts = [f"Question: What is {expr}?\nAnswer: " for expr, _ in held]
-    chat_prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"What is {expr}?"}],
-                                                  add_generation_prompt=True, tokenize=False) for expr, _ in held]
+    chat_prompts = [as_tokenizer(tokenizer).prompt_text(f"What is {expr}?") for expr, _ in held]
     rows = {}
     for gamma in GAMMAS:
         results = nudge_cached(base, nudger, base_prompts, chat_prompts, gamma=gamma, max_new_tokens=24)

@@ -26,6 +26,7 @@ import numpy as np
 from common import command_line, parser, table, train_model, workdir_of, write
 
 from jaxalign.configs import base, presets
+from jaxalign.data.tokenize import as_tokenizer
 from jaxalign.data.toy import toy_tokenizer, write_jsonl
 from jaxalign.models import LlamaConfig, create_model, save_hf
 from jaxalign.models.auto import bundled_smollm2
@@ -66,8 +67,7 @@ def records(rows: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 def completions(model, tokenizer, rows: list[dict], max_new_tokens: int) -> list[str]:
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": INSTRUCTION + r["prompt"]}],
-                                             add_generation_prompt=True, tokenize=True)["input_ids"] for r in rows]
+    prompts = [as_tokenizer(tokenizer).encode_prompt(INSTRUCTION + r["prompt"]) for r in rows]
     tokens, mask = left_pad(prompts, tokenizer.pad_token_id or 0)
     out = np.asarray(generate(model, tokens, prompt_mask=mask, max_new_tokens=max_new_tokens,
                               eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id or 0))

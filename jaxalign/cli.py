@@ -53,31 +53,22 @@ def _read_prompts(args) -> list[str | list[dict]]:
     return prompts or [DEFAULT_PROMPT]
 
 
-def _encode(tokenizer, prompt: str | list[dict], chat: bool, system: str | None) -> list[int]:
-    if not chat:
-        if not isinstance(prompt, str):
-            raise ValueError("a message-list prompt needs the chat template (drop --no-chat)")
-        return tokenizer(prompt)["input_ids"]
-    if tokenizer.chat_template is None:
-        raise ValueError("the tokenizer has no chat template; use --no-chat")
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    if system:
-        messages = [{"role": "system", "content": system}, *messages]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
-
-
 def cmd_generate(args) -> int:
     import numpy as np
 
     from jaxalign.sampling import left_pad, sample, truncate_at_stop
+    from jaxalign.train.build import tokenizer_of
 
     path = _model_path(args.model)
     start = time.perf_counter()
     model, tokenizer = _load_any(str(path), dtype=args.dtype)
+    if args.chat and not args.chat_template and tokenizer.chat_template is None:
+        raise ValueError("the tokenizer has no chat template; use --no-chat or give --chat-template")
+    encoder = tokenizer_of(tokenizer, args.chat_template)
     print(f"loaded {path.name} ({model.config.num_params() / 1e6:.1f}M parameters) in "
           f"{time.perf_counter() - start:.1f}s", file=sys.stderr)
     prompts = _read_prompts(args)
-    encoded = [_encode(tokenizer, p, args.chat, args.system) for p in prompts]
+    encoded = [encoder.encode_prompt(p, chat=args.chat, system=args.system) for p in prompts]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     tokens, mask = left_pad(encoded, pad_id)
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
@@ -114,9 +105,9 @@ def cmd_convert(args) -> int:
 def cmd_info(args) -> int:
     import dataclasses
 
-    from jaxalign.models import load_pretrained
+    from jaxalign.train.build import load_any
 
-    model, tokenizer = load_pretrained(_model_path(args.model))
+    model, tokenizer = load_any(_model_path(args.model), require_tokenizer=False)
     config = dataclasses.asdict(model.config)
     config["num_params"] = model.config.num_params()
     config["tokenizer"] = type(tokenizer).__name__ if tokenizer is not None else None
@@ -142,22 +133,21 @@ def _highlight(tokenizer, tokens, mask, color: bool) -> str:
 def cmd_data_inspect(args) -> int:
     import numpy as np
 
-    from jaxalign.data import OBJECTIVE_KINDS, TokenizeConfig, Tokenizer, load_examples
+    from jaxalign.data import TokenizeConfig, Tokenizer, load_examples
     from jaxalign.data.batching import sequence_fields
+    from jaxalign.objectives import OBJECTIVES
 
     if args.tokenizer == "toy":
         from jaxalign.data.toy import toy_tokenizer
 
         hf = toy_tokenizer()
     else:
-        from jaxalign.models import load_pretrained
+        from jaxalign.train.build import load_any
 
-        _, hf = load_pretrained(_model_path(args.tokenizer))
-        if hf is None:
-            raise FileNotFoundError(f"{args.tokenizer}: no tokenizer found")
+        _, hf = load_any(_model_path(args.tokenizer))
     tok = Tokenizer(hf, TokenizeConfig(max_length=args.max_length, max_prompt_length=args.max_prompt_length,
                                        chat_template=args.chat_template))
-    kind = OBJECTIVE_KINDS[args.objective]
+    kind = OBJECTIVES[args.objective].data_kind
     examples, report = load_examples(args.file, tok, kind=kind, on_invalid="skip")
     color = sys.stdout.isatty()
     for i, example in enumerate(examples[: args.n]):
@@ -246,17 +236,9 @@ def cmd_cpi(args) -> int:
 
 def _load_any(path: str, dtype: str = "float32"):
     """(model, tokenizer) from a jaxalign run folder, a Hugging Face folder or a .gguf file."""
-    from jaxalign.models import load_pretrained
+    from jaxalign.train.build import load_any
 
-    if (Path(path) / "model_config.json").exists():
-        from jaxalign.train.export import restore_model
-
-        model, tokenizer, _ = restore_model(path)
-        return model, tokenizer
-    model, tokenizer = load_pretrained(path, dtype=dtype)
-    if tokenizer is None:
-        raise FileNotFoundError(f"{path}: the model folder has no tokenizer files")
-    return model, tokenizer
+    return load_any(path, dtype=dtype)
 
 
 def cmd_route(args) -> int:
@@ -301,8 +283,8 @@ def cmd_export(args) -> int:
 
 def cmd_eval(args) -> int:
     from jaxalign.data.sources import read_records
+    from jaxalign.train.build import restore_model
     from jaxalign.train.evaluate import exact_match
-    from jaxalign.train.export import restore_model
 
     model, tokenizer, step = restore_model(args.checkpoint)
     records = [r for _, r in read_records(args.data) if isinstance(r, dict)][: args.n]
@@ -312,6 +294,8 @@ def cmd_eval(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxalign.objectives import OBJECTIVES
+
     parser = argparse.ArgumentParser(prog="jaxalign", description="Align language models with JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -383,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompts-file", help="text file (one prompt a line) or .jsonl with 'prompt'/'messages'")
     gen.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
     gen.add_argument("--system", help="system message for chat prompts")
+    gen.add_argument("--chat-template", help="override the model's chat template: 'chatml', 'zephyr' or a Jinja "
+                                             "string (as data.chat_template in training)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0)
@@ -411,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "tokens highlighted, length statistics and invalid records.")
     inspect.add_argument("file", help="JSONL / JSON / Parquet file or saved datasets folder")
     inspect.add_argument("--tokenizer", default="toy", help="model folder or .gguf whose tokenizer to use, or 'toy'")
-    inspect.add_argument("--objective", default="sft", choices=["sft", "ift", "dpo", "simpo", "orpo", "mpo"])
+    inspect.add_argument("--objective", default="sft", choices=list(OBJECTIVES))
     inspect.add_argument("--max-length", type=int, default=512)
     inspect.add_argument("--max-prompt-length", type=int, default=0)
     inspect.add_argument("--chat-template", help="override: 'chatml', 'zephyr' or a Jinja string")

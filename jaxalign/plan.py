@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,13 +21,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh
 
-from jaxalign.data.dataset import OBJECTIVE_KINDS
 from jaxalign.losses.logps import HEAD_BLOCK_ROWS
 from jaxalign.models import LlamaConfig, abstract_model, lora
-from jaxalign.objectives import OBJECTIVES, make_params
 from jaxalign.objectives.common import resolve_chunk_size
 from jaxalign.parallel.mesh import mesh_sizes
-from jaxalign.train.step import make_optimizer, state_shardings
+from jaxalign.train.build import model_config, optimizer
+from jaxalign.train.spec import RunSpec
+from jaxalign.train.step import state_shardings
 
 GB = 1e9
 
@@ -43,19 +42,6 @@ LOGIT_COPIES = 6
 # their exp or gradient, the next tile's), plus a float32 gradient accumulator for the hidden states and the
 # kernel gradient's tiles.
 FUSED_TILE_COPIES = 3
-
-# Sequences in the forward pass per example, by data kind (chosen + rejected; MPO: two languages).
-ROWS_PER_EXAMPLE = {"sft": 1, "preference": 2, "mpo": 4}
-
-# Shapes of the large presets, so a plan needs no downloaded weights (values from the models' config.json).
-ARCHITECTURES: dict[str, dict] = {
-    "llama3_8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                      num_kv_heads=8, rope_theta=500000.0, max_position_embeddings=8192),
-    "qwen25_7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
-                      num_kv_heads=4, rope_theta=1000000.0, qkv_bias=True, architecture="qwen2",
-                      max_position_embeddings=32768),
-}
-
 
 @dataclasses.dataclass
 class Plan:
@@ -93,30 +79,6 @@ class Plan:
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
-
-
-def model_config_of(config: ml_collections.ConfigDict) -> LlamaConfig:
-    """The architecture from ``model.path`` (config.json or GGUF header only), a known large preset, or the
-    random model's ``model.shape``."""
-    common = dict(dtype=config.model.dtype, attention_impl=config.model.attention_impl, remat=config.model.remat,
-                  remat_policy=config.model.get("remat_policy", "nothing"))
-    path = Path(config.model.path) if config.model.path else None
-    if path is not None and path.exists():
-        if path.suffix == ".gguf":
-            from jaxalign.models.gguf import read_gguf_config
-
-            model_config = read_gguf_config(path)
-        else:
-            from jaxalign.models.hf import config_from_hf, read_hf_config
-
-            model_config = config_from_hf(read_hf_config(path), source=str(path / "config.json"))
-        return model_config.replace(param_dtype=config.model.dtype, **common)
-    if config.model.preset in ARCHITECTURES:
-        return LlamaConfig(**ARCHITECTURES[config.model.preset], param_dtype=config.model.param_dtype, **common)
-    if path is not None:
-        raise FileNotFoundError(f"model.path={config.model.path!r} does not exist (and model.preset="
-                                f"{config.model.preset!r} is not one of {', '.join(ARCHITECTURES)})")
-    return LlamaConfig(**config.model.shape.to_dict(), param_dtype=config.model.param_dtype, **common)
 
 
 def _device_bytes(shapes, shardings) -> float:
@@ -181,30 +143,29 @@ def head_bytes(tokens: int, vocab: float, hidden: int, *, chunk_size: int = 0, g
 def plan(config: ml_collections.ConfigDict, num_devices: int, *, backend: str | None = None) -> Plan:
     """Per-device memory of training ``config`` on ``num_devices`` devices with the config's mesh, on ``backend``
     ("cpu", "gpu", "tpu"; default: JAX's), which picks the automatic log-prob path."""
-    sizes = mesh_sizes(dict(config.mesh), num_devices)
+    spec = RunSpec.from_config(config, check=False)
+    sizes = mesh_sizes(spec.mesh.shape, num_devices)
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
-    model_config = model_config_of(config)
-    model = abstract_model(model_config)
-    tx, _ = make_optimizer(config.optim, config.train.steps)
-    shardings = state_shardings(model, tx, mesh)
+    rules = spec.mesh.rules_table
+    arch = model_config(spec)
+    model = abstract_model(arch)
+    tx, _ = optimizer(spec.optim, spec.train.steps)
+    shardings = state_shardings(model, tx, mesh, rules)
     params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(nnx.state(model)))
-    name = config.objective.name
-    objective = OBJECTIVES[name]
-    hparams = make_params(name, config.objective.params.to_dict())
+    objective, hparams = spec.objective.entry, spec.objective.params
     notes: list[str] = []
     num_params = int(sum(np.prod(p.shape) for p in jax.tree.leaves(params)))
 
     out: dict[str, float] = {}
-    lora_on = "lora" in config and config.lora.enabled
-    if lora_on:  # the base is frozen and held once; adapters are what trains, has moments and gradients
-        lora_config = lora.LoRAConfig.from_config(config.lora)
-        lora_model = lora.abstract_lora_model(model_config, lora_config)
-        trained_shardings = state_shardings(lora_model, tx, mesh, trained=nnx.LoRAParam)
+    lora_config = spec.lora.config()
+    if lora_config is not None:  # the base is frozen and held once; adapters are what trains, has moments and grads
+        lora_model = lora.abstract_lora_model(arch, lora_config)
+        trained_shardings = state_shardings(lora_model, tx, mesh, rules, trained=nnx.LoRAParam)
         trained = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
                                nnx.to_pure_dict(nnx.state(lora_model, nnx.LoRAParam)))
         out["base parameters (frozen)"] = _device_bytes(params, shardings.params)
         out["LoRA adapters"] = _device_bytes(trained, trained_shardings.params)
-        trainable = lora.count_params(model_config, lora_config)["adapter"]
+        trainable = lora.count_params(arch, lora_config)["adapter"]
         full_state = _device_bytes(jax.eval_shape(tx.init, params), shardings.opt_state)
         shardings, params = trained_shardings, trained
     else:
@@ -212,35 +173,41 @@ def plan(config: ml_collections.ConfigDict, num_devices: int, *, backend: str | 
         trainable = num_params
     trained_bytes = _device_bytes(params, shardings.params)
     out["optimizer state"] = _device_bytes(jax.eval_shape(tx.init, params), shardings.opt_state)
-    out["gradients"] = trained_bytes * (2 if config.train.grad_accum > 1 else 1)
-    if config.train.grad_accum > 1:
+    out["gradients"] = trained_bytes * (2 if spec.train.grad_accum > 1 else 1)
+    if spec.train.grad_accum > 1:
         notes.append("gradients counted twice: the accumulator and one micro-batch's gradients")
-    uses_reference = objective.uses_reference and not getattr(hparams, "reference_free", False)
-    if uses_reference and config.reference.kind == "model" and lora_on:
-        notes.append("LoRA: the reference is the base with the adapters off (no second copy of the weights)")
-    elif uses_reference and config.reference.kind == "model":
-        out["reference model"] = out["parameters"]
-    elif uses_reference:
-        notes.append("reference.kind=precomputed: no reference weights on the devices during training")
+    uses_reference = spec.objective.uses_reference
+    reference_kind = spec.reference.kind
 
     data_parallel = sizes.get("data", 1) * sizes.get("fsdp", 1)
-    micro = config.train.batch_size // max(config.train.grad_accum, 1)
-    kind = OBJECTIVE_KINDS[name]
-    rows = max(micro // data_parallel, 1) * ROWS_PER_EXAMPLE[kind]
-    length = config.data.row_length if config.data.packing and config.data.row_length else config.data.max_length
+    micro = spec.train.batch_size // max(spec.train.grad_accum, 1)
+    rows = max(micro // data_parallel, 1) * objective.rows_per_example
+    length = spec.data.row_length if spec.data.packing and spec.data.row_length else spec.data.max_length
     tensor = sizes.get("tensor", 1)
-    chunk = resolve_chunk_size(int(getattr(hparams, "logps_chunk_size", 0)), rows, length, model_config.vocab_size,
-                               backend)
-    out["activations (estimate)"] = activation_bytes(model_config, rows, length, tensor, chunk_size=chunk)
-    if name == "ift":
+    chunk_setting = int(hparams.logps_chunk_size)
+    chunk = resolve_chunk_size(chunk_setting, rows, length, arch.vocab_size, backend)
+    out["activations (estimate)"] = activation_bytes(arch, rows, length, tensor, chunk_size=chunk)
+    if uses_reference and reference_kind == "model" and lora_config is not None:
+        notes.append("LoRA: the reference is the base with the adapters off (no second copy of the weights)")
+    elif uses_reference and reference_kind == "model":
+        out["reference model"] = out["parameters"]
+    elif uses_reference:
+        # computed before training, one training micro-batch at a time, rows split like the step's, on the same
+        # log-prob path (forward only)
+        ref_chunk = resolve_chunk_size(chunk_setting, rows, spec.data.max_length, arch.vocab_size, backend)
+        ref_peak = activation_bytes(arch, rows, spec.data.max_length, tensor, chunk_size=ref_chunk, grad=False)
+        notes.append(f"reference.kind=precomputed: no reference weights on the devices during training; computing "
+                     f"the reference log-probs first (forward passes over the training micro-batches) peaks at "
+                     f"about {ref_peak / GB:.3f} GB of activations per device, below the step's")
+    if spec.objective.name == "ift":
         notes.append("IFT adds a no-gradient forward pass for the greedy tokens; its peak is below the training pass")
-    if not model_config.remat:
+    if not arch.remat:
         notes.append("model.remat=False: every layer's activations are kept for the backward pass")
-    if lora_on:
-        full = (3 if uses_reference and config.reference.kind == "model" else 2) * out["base parameters (frozen)"] \
-            + full_state
+    if lora_config is not None:
+        with_ref = uses_reference and reference_kind == "model"
+        full = (3 if with_ref else 2) * out["base parameters (frozen)"] + full_state
         notes.append(f"LoRA saves {(full - sum(v for k, v in out.items() if not k.startswith('activations'))) / GB:.2f}"
                      " GB per device against full fine-tuning (parameters, gradients, optimizer state"
-                     f"{', reference' if uses_reference and config.reference.kind == 'model' else ''})")
+                     f"{', reference' if with_ref else ''})")
     return Plan(mesh=sizes, num_params=num_params, trainable_params=trainable, bytes=out, rows_per_device=rows,
                 sequence_length=length, notes=notes)

@@ -11,8 +11,9 @@ from jaxalign import losses
 from jaxalign.cli import main
 from jaxalign.models import abstract_model, create_model
 from jaxalign.objectives import get_objective, make_params
-from jaxalign.plan import head_bytes, model_config_of, plan
+from jaxalign.plan import head_bytes, plan
 from jaxalign.train import load_config
+from jaxalign.train.build import model_config as model_config_of
 from jaxalign.train.step import init_state, make_optimizer, make_train_step, state_shardings
 
 SHAPE = ["--config.model.shape.hidden_size=128", "--config.model.shape.intermediate_size=384",

@@ -11,7 +11,7 @@ from flax import nnx
 from jaxalign.models import LlamaConfig, abstract_model, create_model, load_hf
 from jaxalign.objectives import get_objective, make_params
 from jaxalign.parallel import make_mesh
-from jaxalign.train import ConfigError, load_config, reference_cache, train, validate
+from jaxalign.train import ConfigError, load_config, train, validate
 from jaxalign.train.step import init_state, make_optimizer, make_train_step, state_shardings
 
 SMALL = ["--config.model.shape.hidden_size=32", "--config.model.shape.intermediate_size=64",
@@ -91,10 +91,10 @@ def test_each_objective_trains_checkpoints_and_exports(name, tmp_path):
 def test_precomputed_reference_cache_is_reused(tmp_path):
     extra = ["--config.train.steps=6", "--config.reference.kind=precomputed",
              f"--config.reference.cache_dir={tmp_path / 'cache'}"]
-    train(small_config("dpo", tmp_path / "a", *extra))
-    assert reference_cache.LAST_STATUS["status"] == "computed"
-    train(small_config("dpo", tmp_path / "b", *extra))
-    assert reference_cache.LAST_STATUS["status"] == "reused"
+    first = train(small_config("dpo", tmp_path / "a", *extra))
+    assert first["reference_cache"]["status"] == "computed"
+    second = train(small_config("dpo", tmp_path / "b", *extra))
+    assert second["reference_cache"]["status"] == "reused"
     train(small_config("dpo", tmp_path / "c", "--config.train.steps=6"))  # reference model held in memory
 
     def losses(run):

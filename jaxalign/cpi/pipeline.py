@@ -20,44 +20,61 @@ from jaxalign.cpi.fusion import fuse
 from jaxalign.cpi.grouping import group_tasks, jaccard_matrix
 from jaxalign.cpi.masks import core_mask, default_include, mask_size
 from jaxalign.cpi.optimizer import freeze, union
-from jaxalign.data import DataPipeline, PipelineConfig, TokenizeConfig, Tokenizer, tokenize_record, validate_record
-from jaxalign.data.toy import GENERATORS, multitask, toy_tokenizer
-from jaxalign.models import LlamaConfig, create_model, load_pretrained
+from jaxalign.data import DataPipeline, PipelineConfig, Tokenizer, tokenize_record, validate_record
+from jaxalign.data.toy import GENERATORS, multitask
 from jaxalign.objectives import get_objective, make_params
+from jaxalign.parallel import batch_sharding, use_rules
+from jaxalign.train.build import load_model, optimizer, run_mesh
 from jaxalign.train.evaluate import exact_match
+from jaxalign.train.inputs import device_batch
 from jaxalign.train.loop import log
-from jaxalign.train.step import init_state, make_optimizer, make_train_step
+from jaxalign.train.spec import RunSpec, validate
+from jaxalign.train.step import init_state, make_train_step
 
 
 class Trainer:
-    """Short SFT runs from given parameters, optionally with frozen entries (shared compiled pieces)."""
+    """Short SFT runs from given parameters, optionally with frozen entries, through the public training API on the
+    run's mesh: one compiled step per run length (the frozen entries are optimizer state, so every stage's mask
+    shares it), batches placed as training places them."""
 
-    def __init__(self, config, graphdef, tokenizer):
-        self.config, self.graphdef, self.hf = config, graphdef, tokenizer
-        self.tok = Tokenizer(tokenizer, TokenizeConfig(max_length=config.data.max_length))
-        self.pad_id = tokenizer.pad_token_id or 0
+    def __init__(self, spec: RunSpec, graphdef, tokenizer, mesh, *, max_new_tokens: int = 8):
+        self.spec, self.graphdef, self.mesh = spec, graphdef, mesh
+        self.max_new_tokens = max_new_tokens
+        self.rules = spec.mesh.rules_table
+        self.tok = tokenizer
+        self.pad_id = tokenizer.hf.pad_token_id or 0
+        self.batch_sharding = batch_sharding(mesh, 1, self.rules)
+        self._steps: dict[int, tuple] = {}
 
     def examples(self, records: list[dict]) -> list[dict]:
         return [tokenize_record(self.tok, validate_record(r, source="toy", index=i, kind="sft"))
                 for i, r in enumerate(records)]
 
+    def _step(self, steps: int):
+        """(optimizer, jitted step) for a run of ``steps`` steps (the schedule's length), built once."""
+        if steps not in self._steps:
+            tx, _ = optimizer(self.spec.optim, steps)
+            step = make_train_step(self.graphdef, get_objective("sft").fn, make_params("sft"), freeze(tx, None))
+            self._steps[steps] = (tx, step)
+        return self._steps[steps]
+
     def train(self, params, records: list[dict], steps: int, *, frozen=None, seed: int = 0):
         if steps <= 0:
             return params
-        tx, _ = make_optimizer(self.config.optim, steps)
-        if frozen is not None:
-            tx = freeze(tx, frozen)
-        state = init_state(jax.tree.map(jnp.copy, params), tx, seed, None)
-        step = make_train_step(self.graphdef, get_objective("sft").fn, make_params("sft"), tx)
+        tx, step = self._step(steps)
+        mask = jax.tree.map(lambda _: False, params) if frozen is None else frozen
+        state = init_state(jax.tree.map(jnp.copy, params), freeze(tx, mask), seed, None)
         pipeline = DataPipeline([self.examples(records)], "sft",
-                                PipelineConfig(batch_size=self.config.train.batch_size, seed=seed, pad_id=self.pad_id))
-        for _ in range(steps):
-            state, _ = step(state, {k: jnp.asarray(v) for k, v in next(pipeline).items()})
+                                PipelineConfig(batch_size=self.spec.train.batch_size, seed=seed, pad_id=self.pad_id))
+        with jax.set_mesh(self.mesh), use_rules(self.rules):
+            for _ in range(steps):
+                state, _ = step(state, device_batch(self.batch_sharding, next(pipeline)))
         return state.params
 
     def accuracy(self, params, records: list[dict]) -> float:
-        model = nnx.merge(self.graphdef, params)
-        return exact_match(model, self.hf, records, max_new_tokens=self.config.cpi.max_new_tokens)
+        with jax.set_mesh(self.mesh), use_rules(self.rules):
+            return exact_match(nnx.merge(self.graphdef, params), self.tok, records,
+                               max_new_tokens=self.max_new_tokens)
 
 
 def _task_data(cpi, seed: int) -> tuple[dict[str, list], dict[str, list]]:
@@ -74,18 +91,17 @@ def run(config) -> dict:
     """Runs CPI-FT (and the baselines) from a config with a ``cpi`` section; returns the report."""
     start = time.time()
     cpi = config.cpi
-    workdir = Path(config.workdir)
+    spec = validate(config)
+    workdir = Path(spec.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    if config.model.path:
-        model, tokenizer = load_pretrained(config.model.path, dtype=config.model.dtype)
-    else:
-        model = create_model(LlamaConfig(**config.model.shape.to_dict(), dtype=config.model.dtype), seed=config.seed)
-        tokenizer = None
-    tokenizer = toy_tokenizer() if config.tokenizer == "toy" or tokenizer is None else tokenizer
+    mesh = run_mesh(spec)
+    with jax.set_mesh(mesh), use_rules(spec.mesh.rules_table):
+        model, hf_tokenizer = load_model(spec.model, seed=spec.seed, mesh=mesh, rules=spec.mesh.rules_table)
     graphdef, params = nnx.split(model)
     base = nnx.to_pure_dict(params)
-    trainer = Trainer(config, graphdef, tokenizer)
-    train_data, eval_data = _task_data(cpi, config.seed)
+    tokenizer = Tokenizer(hf_tokenizer, spec.data.tokenize_config())
+    trainer = Trainer(spec, graphdef, tokenizer, mesh, max_new_tokens=cpi.max_new_tokens)
+    train_data, eval_data = _task_data(cpi, spec.seed)
     tasks = list(train_data)
 
     def scores(params) -> dict[str, float]:
@@ -93,7 +109,7 @@ def run(config) -> dict:
 
     if cpi.base_steps and cpi.base_data:
         name = cpi.base_data.removeprefix("toy:")
-        base = trainer.train(base, GENERATORS[name](2000, config.seed + 7), cpi.base_steps, seed=1)
+        base = trainer.train(base, GENERATORS[name](2000, spec.seed + 7), cpi.base_steps, seed=1)
     report: dict = {"tasks": tasks, "settings": cpi.to_dict(), "scores": {"base": scores(base)}}
     log(f"base: {report['scores']['base']}")
 

@@ -2,14 +2,13 @@
 a checkpointable batch pipeline, SATER data conventions, and toy generators (``jaxalign.data.toy``)."""
 
 from jaxalign.data.batching import default_buckets, pack_rows, packed_batch, pad_batch
-from jaxalign.data.dataset import OBJECTIVE_KINDS, DataError, DataReport, load_examples, load_sources
+from jaxalign.data.dataset import DataError, DataReport, load_examples, load_sources
 from jaxalign.data.pipeline import DataPipeline, PipelineConfig
 from jaxalign.data.schema import RecordError, detect_kind, validate_record
 from jaxalign.data.sources import read_records
 from jaxalign.data.tokenize import TokenizeConfig, Tokenizer, chat_segments, tokenize_record
 
 __all__ = [
-    "OBJECTIVE_KINDS",
     "DataError",
     "DataPipeline",
     "DataReport",

@@ -12,9 +12,6 @@ from jaxalign.data.schema import RecordError, detect_kind, validate_record
 from jaxalign.data.sources import read_records
 from jaxalign.data.tokenize import Tokenizer, tokenize_record
 
-# the example kind each objective trains on
-OBJECTIVE_KINDS = {"sft": "sft", "ift": "sft", "dpo": "preference", "simpo": "preference", "orpo": "preference",
-                   "mpo": "mpo"}
 ON_INVALID = ("error", "skip")
 
 

@@ -54,9 +54,13 @@ class TokenizeConfig:
 
 
 class Tokenizer:
-    """A transformers tokenizer plus the facts the masking needs (BOS policy, template)."""
+    """A transformers tokenizer plus the facts the masking needs (BOS policy, template), and the one prompt
+    encoder (``encode_prompt``) that training data, evaluation, generation, routing and Nudging share.
 
-    def __init__(self, tokenizer, config: TokenizeConfig = TokenizeConfig()):
+    ``training=False`` skips the check that prompt and completion can be tokenised apart (prompt encoding for
+    generation works with any tokenizer)."""
+
+    def __init__(self, tokenizer, config: TokenizeConfig = TokenizeConfig(), *, training: bool = True):
         self.hf = tokenizer
         self.config = config
         template = config.chat_template
@@ -66,13 +70,33 @@ class Tokenizer:
         probe = tokenizer("a")["input_ids"]
         self.adds_bos = self.bos_id is not None and bool(probe) and probe[0] == self.bos_id
         space = tokenizer.decode(tokenizer("a", add_special_tokens=False)["input_ids"])
-        if space.startswith(" "):
+        if training and space.startswith(" "):
             raise ValueError("this tokenizer adds a prefix space to every text it encodes (SentencePiece 'legacy' "
                              "mode), so prompt and completion cannot be tokenised apart; use a byte-level BPE "
                              "tokenizer.json")
 
     def encode(self, text: str) -> list[int]:
         return self.hf(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def prompt_text(self, prompt: str | Sequence[dict], *, chat: bool = True, system: str | None = None) -> str:
+        """The text a prompt becomes before tokenisation: with ``chat``, the messages (a string is one user turn;
+        ``system`` adds a system turn) rendered with the run's chat template and its generation prompt; without,
+        the plain string. (Nudging works on this text: its two models may tokenise differently.)"""
+        if not chat:
+            if not isinstance(prompt, str):
+                raise ValueError("a message-list prompt needs the chat template (drop --no-chat)")
+            return prompt
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if system:
+            messages = [{"role": "system", "content": system}, *messages]
+        return self.render(messages, generation_prompt=True)
+
+    def encode_prompt(self, prompt: str | Sequence[dict], *, chat: bool = True, system: str | None = None,
+                      ) -> list[int]:
+        """Token ids of ``prompt_text(prompt)`` exactly as training tokenises the prompt part of a record, ready to
+        generate from: one leading BOS when the tokenizer uses one."""
+        ids = self.encode(self.prompt_text(prompt, chat=chat, system=system))
+        return self.with_bos(ids, [0] * len(ids))[0]
 
     def render(self, messages: Sequence[dict], *, generation_prompt: bool) -> str:
         if self.chat_template is None:
@@ -94,6 +118,12 @@ class Tokenizer:
         if start == 0 and not self.adds_bos:
             return ids, mask
         return [self.bos_id, *ids[start:]], [0, *mask[start:]]
+
+
+def as_tokenizer(tokenizer) -> Tokenizer:
+    """``tokenizer`` as the prompt encoder: a ``Tokenizer`` as it is (the run's template and lengths), a
+    transformers tokenizer wrapped with its own chat template."""
+    return tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer, training=False)
 
 
 def chat_segments(tok: Tokenizer, messages: Sequence[dict]) -> list[tuple[str, bool]]:

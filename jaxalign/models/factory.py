@@ -1,7 +1,8 @@
 """Building models: random initialisation straight into a sharding, and parameter shardings.
 
-Shardings come from an abstract model (``nnx.eval_shape``): each parameter's ``logical_axes`` metadata
-goes through the rules table. Nothing is allocated twice and no full copy lives on one device.
+Shardings come from an abstract model (``nnx.eval_shape``): each parameter's logical axis names (Flax's standard
+sharding metadata, ``out_sharding``) go through the rules table. Nothing is allocated
+twice and no full copy lives on one device.
 """
 
 from __future__ import annotations
@@ -11,23 +12,37 @@ from collections.abc import Callable
 import jax
 import numpy as np
 from flax import nnx
+from flax.core import spmd as flax_spmd
 from jax.sharding import Mesh, NamedSharding
 
 from jaxalign.models.config import LlamaConfig
 from jaxalign.models.llama import LlamaForCausalLM
-from jaxalign.parallel.mesh import Rules, logical_sharding
+from jaxalign.parallel.mesh import DEFAULT_RULES, Rules, active_rules, logical_sharding
+
+
+def eval_shape(make: Callable[[], nnx.Module]) -> nnx.Module:
+    """``nnx.eval_shape(make)`` that works inside a ``jax.set_mesh`` block: Flax would turn the logical axis names
+    into a sharding on that mesh; here every name maps to nothing (the shardings come from our rules table,
+    ``param_shardings``, which also drops axes that do not divide a dimension)."""
+    names = {name for name, _ in (*DEFAULT_RULES, *active_rules())}
+    with flax_spmd.logical_axis_rules(tuple((name, None) for name in sorted(names))):
+        return nnx.eval_shape(make)
 
 
 def abstract_model(config: LlamaConfig) -> LlamaForCausalLM:
     """The model with ``ShapeDtypeStruct`` leaves (no memory)."""
-    return nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+    return eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+
+
+def logical_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
+    """The logical axis names of a parameter (Flax's sharding metadata), ``None`` per dimension when it has none."""
+    return tuple(variable.get_metadata().get("out_sharding") or (None,) * len(variable.get_value().shape))
 
 
 def param_shardings(model: nnx.Module, mesh: Mesh, rules: Rules | None = None, *filters) -> nnx.State:
     """A state tree of ``NamedSharding`` matching ``nnx.state(model, *filters)`` (works on abstract models too)."""
     def sharding_of(variable: nnx.Variable) -> NamedSharding:
-        axes = getattr(variable, "logical_axes", None) or (None,) * len(variable.get_value().shape)
-        return logical_sharding(axes, variable.get_value().shape, mesh, rules)
+        return logical_sharding(logical_axes(variable), variable.get_value().shape, mesh, rules)
 
     return jax.tree.map(sharding_of, nnx.state(model, *filters), is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -65,7 +80,6 @@ def build_model(config: LlamaConfig, load_tensor: Callable[[tuple, tuple[int, ..
         if mesh is None:
             variable.set_value(jax.device_put(array))
         else:
-            axes = getattr(variable, "logical_axes", None) or (None,) * len(shape)
-            sharding = logical_sharding(axes, shape, mesh, rules)
+            sharding = logical_sharding(logical_axes(variable), shape, mesh, rules)
             variable.set_value(jax.make_array_from_callback(shape, sharding, lambda index, a=array: a[index]))
     return nnx.merge(graphdef, state)

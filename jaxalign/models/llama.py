@@ -6,7 +6,8 @@ optional q/k/v (and o) biases, tied or untied embeddings, configurable head_dim,
 The forward pass takes token ids or input embeddings, an attention mask (left or right padding),
 optional positions, optional segment ids (packing: attention stays inside a segment and positions
 restart), and an optional ``KVCache`` for incremental decoding. Every parameter carries logical axis
-names (``logical_axes`` metadata), mapped to mesh axes by ``jaxalign.parallel``. A projection with a LoRA adapter
+names (Flax's standard ``out_sharding`` metadata, so ``nnx.get_partition_spec`` reads them), mapped to mesh axes
+by ``jaxalign.parallel``. A projection with a LoRA adapter
 attached next to it (``q_proj_lora``, see ``jaxalign.models.lora``) adds the adapter's low-rank update.
 
 Numerics follow the PyTorch reference (transformers' ``LlamaForCausalLM``): RMSNorm and softmax in
@@ -68,7 +69,7 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, scale: float | None = None, init:
     else:
         value = (scale or 0.02) * jax.random.normal(rngs.params(), shape, jnp.float32)
         value = value.astype(dtype)
-    return nnx.Param(value, logical_axes=tuple(axes))
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
 
 
 def dense(x: jax.Array, kernel: jax.Array, contract: int = 1) -> jax.Array:

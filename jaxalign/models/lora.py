@@ -36,7 +36,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxalign.models.config import LlamaConfig
-from jaxalign.models.factory import abstract_model, param_shardings
+from jaxalign.models.factory import abstract_model, eval_shape, logical_axes, param_shardings
 from jaxalign.models.hf import hf_layout, to_hf
 from jaxalign.models.llama import LlamaForCausalLM
 from jaxalign.parallel.mesh import Rules
@@ -84,9 +84,9 @@ class LoRA(nnx.Module):
         fan_in = math.prod(in_shape)
         bound = 1.0 / math.sqrt(fan_in)
         a = jax.random.uniform(rngs.params(), (*in_shape, lora.rank), jnp.float32, -bound, bound)
-        self.lora_a = nnx.LoRAParam(a, logical_axes=(*in_axes, "lora_rank"))
+        self.lora_a = nnx.LoRAParam(a, out_sharding=(*in_axes, "lora_rank"), eager_sharding=False)
         self.lora_b = nnx.LoRAParam(jnp.zeros((lora.rank, *out_shape), jnp.float32),
-                                    logical_axes=("lora_rank", *out_axes))
+                                    out_sharding=("lora_rank", *out_axes), eager_sharding=False)
         self.scale = lora.scale
         self.dropout = lora.dropout
         self.index = index
@@ -118,7 +118,7 @@ def attach(model: LlamaForCausalLM, lora: LoRAConfig, rngs: nnx.Rngs) -> LlamaFo
         for name in lora.targets:
             owner = _owner(layer, name)
             kernel = getattr(owner, name)
-            shape, axes = kernel.get_value().shape, kernel.logical_axes
+            shape, axes = kernel.get_value().shape, logical_axes(kernel)
             n_in = _INPUT_DIMS.get(name, 1)
             setattr(owner, f"{name}_lora", LoRA(shape[:n_in], axes[:n_in], shape[n_in:], axes[n_in:], lora,
                                                 index=i * len(TARGETS) + TARGETS.index(name), rngs=rngs))
@@ -127,7 +127,7 @@ def attach(model: LlamaForCausalLM, lora: LoRAConfig, rngs: nnx.Rngs) -> LlamaFo
 
 def abstract_lora_model(config: LlamaConfig, lora: LoRAConfig) -> LlamaForCausalLM:
     """The decoder with adapters, as ``ShapeDtypeStruct`` leaves (no memory)."""
-    return nnx.eval_shape(lambda: attach(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), lora, nnx.Rngs(0)))
+    return eval_shape(lambda: attach(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), lora, nnx.Rngs(0)))
 
 
 def lora_graphdef(config: LlamaConfig, lora: LoRAConfig):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -22,11 +23,19 @@ class Metric(NamedTuple):
     def value(self) -> jax.Array:
         return self.total / jnp.maximum(self.count, 1e-9)
 
-    def __add__(self, other: Metric) -> Metric:  # type: ignore[override]
-        return Metric(self.total + other.total, self.count + other.count)
-
 
 Metrics = dict[str, Metric]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineParams:
+    """Engine settings every objective's hyper-parameter class inherits (defined here once).
+
+    ``logps_chunk_size``: the vocabulary tile of the fused LM-head log-probs (``token_logps_from_hidden``);
+    0 = the plain ``[B, T, V]`` logits; -1 = chosen by backend and size (``resolve_chunk_size``). The reference
+    pass and the precomputed reference use the same path as the policy."""
+
+    logps_chunk_size: int = -1
 
 
 def example_weights(batch: Mapping[str, Any], key: str, size: int) -> jax.Array:

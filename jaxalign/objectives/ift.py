@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxalign import losses
 from jaxalign.objectives.common import (
+    EngineParams,
     Metric,
     example_weights,
     policy_token_logps,
@@ -30,7 +31,7 @@ EMBEDDING_GRADS = ("none", "ground_truth")
 
 
 @dataclasses.dataclass(frozen=True)
-class IFTParams:
+class IFTParams(EngineParams):
     """Defaults from the official scripts: λ = 0.2 (constant), γ = 0.95, sequence-mean normalisation.
 
     ``lambda_schedule``: ``constant`` (λ = ``max_lambda``) or ``linear`` (``min_lambda`` → ``max_lambda`` over
@@ -52,7 +53,6 @@ class IFTParams:
     detach_weights: bool = False
     embedding_grad: str = "none"
     normalization: str = "sequence"
-    logps_chunk_size: int = -1  # vocabulary tile of the fused head; 0: plain logits; -1: auto (resolve_chunk_size)
 
     def __post_init__(self):
         if self.embedding_grad not in EMBEDDING_GRADS:

@@ -9,13 +9,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxalign import losses
+from jaxalign.objectives.common import EngineParams
 from jaxalign.objectives.preference import pair_logps, reduce_pair_losses
 
 POOLINGS = ("mean", "last", "masked_mean")
 
 
 @dataclasses.dataclass(frozen=True)
-class MPOParams:
+class MPOParams(EngineParams):
     """``beta`` scales the target gap (official: 1.0 Llama-3.1, 1.5 Gemma-2 / Qwen2.5). ``pooling`` of the
     last-layer hidden states for the preservation term: ``mean`` over every position including padding
     (official code), ``last`` real token (the paper's description), or ``masked_mean`` over real tokens.
@@ -24,7 +25,6 @@ class MPOParams:
     beta: float = 1.0
     pooling: str = "mean"
     preserve_hidden: bool = True
-    logps_chunk_size: int = -1  # vocabulary tile of the fused head; 0: plain logits; -1: auto (resolve_chunk_size)
 
     def __post_init__(self):
         if self.pooling not in POOLINGS:

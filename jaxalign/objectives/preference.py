@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxalign import losses
 from jaxalign.objectives.common import (
+    EngineParams,
     Metric,
     concat_pair,
     example_weights,
@@ -93,7 +94,7 @@ def reduce_pair_losses(per_pair, per_example, batch, chosen_len, rejected_len):
 
 
 @dataclasses.dataclass(frozen=True)
-class DPOParams:
+class DPOParams(EngineParams):
     """``beta``, ``label_smoothing``, ``loss_type`` (sigmoid | ipo | hinge); ``reference_free`` uses zero
     reference log-probs; ``ipo_average`` length-normalises the log-probs for IPO (as TRL does)."""
 
@@ -102,7 +103,6 @@ class DPOParams:
     loss_type: str = "sigmoid"
     reference_free: bool = False
     ipo_average: bool = True
-    logps_chunk_size: int = -1  # vocabulary tile of the fused head; 0: plain logits; -1: auto (resolve_chunk_size)
 
     def __post_init__(self):
         if self.loss_type not in losses.DPO_LOSS_TYPES:
@@ -140,12 +140,11 @@ def dpo(model, batch, hparams: DPOParams = DPOParams(), *, reference=None, **_):
 
 
 @dataclasses.dataclass(frozen=True)
-class SimPOParams:
+class SimPOParams(EngineParams):
     beta: float = 2.0
     gamma_beta_ratio: float = 0.8
     label_smoothing: float = 0.0
     loss_type: str = "sigmoid"
-    logps_chunk_size: int = -1  # vocabulary tile of the fused head; 0: plain logits; -1: auto (resolve_chunk_size)
 
     def __post_init__(self):
         if self.loss_type not in ("sigmoid", "hinge"):
@@ -163,11 +162,10 @@ def simpo(model, batch, hparams: SimPOParams = SimPOParams(), **_):
 
 
 @dataclasses.dataclass(frozen=True)
-class ORPOParams:
+class ORPOParams(EngineParams):
     """``lam``: weight of the odds-ratio term (TRL's ``beta``; 0.1 in TRL, 0.25 in the IFT experiments)."""
 
     lam: float = 0.1
-    logps_chunk_size: int = -1  # vocabulary tile of the fused head; 0: plain logits; -1: auto (resolve_chunk_size)
 
 
 def orpo(model, batch, hparams: ORPOParams = ORPOParams(), **_):

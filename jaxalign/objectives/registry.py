@@ -1,26 +1,50 @@
-"""Objectives by name, with their hyper-parameter classes."""
+"""Objectives by name, each with every fact the rest of jaxalign needs about it.
+
+The data phase reads ``data_kind``, ``jaxalign plan`` reads ``rows_per_example``, the builder reads
+``uses_reference``, the config reads ``params`` (and its defaults), the console reads ``console``, validation
+reads ``packing``; the CLI's choices and the tests' lists come from ``OBJECTIVES`` too.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 from jaxalign.objectives import ift, mpo, preference, sft
 
 
-class Objective(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """``fn(model, batch, hparams, *, reference=None, step=0, rng=None) -> (loss, metrics)``.
+
+    ``data_kind``: the examples it trains on (``sft``, ``preference``, ``mpo``); ``rows_per_example``: sequences
+    per example in the forward pass (chosen + rejected; MPO: both languages); ``uses_reference``: needs a frozen
+    reference (unless its params say ``reference_free``); ``console``: metrics shown on the log line;
+    ``packing``: supports ``data.packing`` (``packing_note`` says why not)."""
+
     fn: Callable
     params: type
-    uses_reference: bool
+    data_kind: str
+    rows_per_example: int
+    uses_reference: bool = False
+    console: tuple[str, ...] = ("loss",)
+    packing: bool = True
+    packing_note: str = ""
 
 
+PAIR_METRICS = ("loss", "rewards/margins", "rewards/accuracies")
+
+# in the order the docs and messages list them
 OBJECTIVES: dict[str, Objective] = {
-    "sft": Objective(sft.sft, sft.SFTParams, False),
-    "dpo": Objective(preference.dpo, preference.DPOParams, True),
-    "simpo": Objective(preference.simpo, preference.SimPOParams, False),
-    "orpo": Objective(preference.orpo, preference.ORPOParams, False),
-    "ift": Objective(ift.ift, ift.IFTParams, False),
-    "mpo": Objective(mpo.mpo, mpo.MPOParams, True),
+    "sft": Objective(sft.sft, sft.SFTParams, "sft", 1),
+    "ift": Objective(ift.ift, ift.IFTParams, "sft", 1, console=("loss", "ift/lambda")),
+    "dpo": Objective(preference.dpo, preference.DPOParams, "preference", 2, uses_reference=True,
+                     console=PAIR_METRICS),
+    "simpo": Objective(preference.simpo, preference.SimPOParams, "preference", 2, console=PAIR_METRICS),
+    "orpo": Objective(preference.orpo, preference.ORPOParams, "preference", 2, console=PAIR_METRICS),
+    "mpo": Objective(mpo.mpo, mpo.MPOParams, "mpo", 4, uses_reference=True, console=PAIR_METRICS, packing=False,
+                     packing_note="its preservation term pools hidden states per sequence"),
 }
 
 
@@ -35,7 +59,7 @@ def make_params(name: str, values: Mapping[str, Any] | None = None):
     lists the valid ones."""
     params_cls = get_objective(name).params
     values = dict(values or {})
-    fields = {f.name for f in params_cls.__dataclass_fields__.values()}
+    fields = {f.name for f in dataclasses.fields(params_cls)}
     unknown = sorted(set(values) - fields)
     if unknown:
         raise ValueError(f"objective {name!r} has no hyper-parameters {unknown}; valid: {sorted(fields)}")

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from jaxalign import losses
 from jaxalign.objectives.common import (
+    EngineParams,
     Metric,
     example_weights,
     policy_token_logps,
@@ -21,13 +22,11 @@ NORMALIZATIONS = ("token", "sequence")
 
 
 @dataclasses.dataclass(frozen=True)
-class SFTParams:
+class SFTParams(EngineParams):
     """``normalization``: ``token`` = mean NLL over every trained token of the batch (TRL's default);
-    ``sequence`` = mean over sequences of each sequence's token-mean NLL (the IFT code's SFT).
-    ``logps_chunk_size``: see ``policy_token_logps`` (fused head, plain logits, or automatic)."""
+    ``sequence`` = mean over sequences of each sequence's token-mean NLL (the IFT code's SFT)."""
 
     normalization: str = "token"
-    logps_chunk_size: int = -1  # vocabulary tile of the fused head; 0: plain logits; -1: auto (resolve_chunk_size)
 
     def __post_init__(self):
         if self.normalization not in NORMALIZATIONS:

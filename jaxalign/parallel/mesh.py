@@ -40,6 +40,34 @@ DEFAULT_RULES: Rules = (
     ("lora_rank", None),
 )
 
+
+
+def format_rules(rules: Rules) -> str:
+    """A rules table as the config's text form: ``"batch=data+fsdp,vocab=tensor,head_dim=,..."`` (an empty
+    right-hand side = replicated)."""
+    def target(axes) -> str:
+        return "" if axes is None else axes if isinstance(axes, str) else "+".join(axes)
+
+    return ",".join(f"{name}={target(axes)}" for name, axes in rules)
+
+
+def parse_rules(text: str) -> Rules:
+    """The rules table of ``mesh.rules``: ``DEFAULT_RULES`` with each ``logical=mesh[+mesh...]`` entry of ``text``
+    replacing (or adding) that logical axis' mapping; ``""`` = the defaults."""
+    table = dict(DEFAULT_RULES)
+    for entry in filter(None, (e.strip() for e in (text or "").split(","))):
+        name, sep, target = entry.partition("=")
+        axes = tuple(a.strip() for a in target.split("+") if a.strip())
+        if not sep or not name.strip():
+            raise ValueError(f"entry {entry!r}: expected LOGICAL=MESH_AXIS[+MESH_AXIS] (empty = replicated)")
+        unknown = [a for a in axes if a not in MESH_AXES]
+        if unknown:
+            raise ValueError(f"entry {entry!r}: unknown mesh axis {', '.join(unknown)}; the axes are "
+                             f"{', '.join(MESH_AXES)}")
+        table[name.strip()] = None if not axes else axes[0] if len(axes) == 1 else axes
+    return tuple(table.items())
+
+
 _ACTIVE_RULES: contextvars.ContextVar[Rules] = contextvars.ContextVar("jaxalign_rules", default=DEFAULT_RULES)
 
 
@@ -100,10 +128,6 @@ def active_rules() -> Rules:
     return _ACTIVE_RULES.get()
 
 
-def _axis_sizes(mesh) -> dict[str, int]:
-    return dict(mesh.shape)
-
-
 def logical_to_spec(
     logical_axes: Sequence[str | None],
     shape: Sequence[int] | None = None,
@@ -117,7 +141,7 @@ def logical_to_spec(
     replicated instead of failing (e.g. SmolLM2's 9 heads on a 2-way tensor axis).
     """
     table = dict(active_rules() if rules is None else rules)
-    sizes = _axis_sizes(mesh) if mesh is not None else {}
+    sizes = dict(mesh.shape) if mesh is not None else {}
     used: set[str] = set()
     spec: list[str | tuple[str, ...] | None] = []
     for dim, name in enumerate(logical_axes):

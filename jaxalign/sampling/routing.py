@@ -27,15 +27,17 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxalign.data.sater import REFUSAL, extract_answer, is_refusal, numeric_verifier, stage1_pair, threshold_prompt
+from jaxalign.data.tokenize import as_tokenizer
 from jaxalign.sampling.generate import left_pad, sample
 
 
 # ------------------------------------------------------------------------------------------------ sampling
 def chat_prompts(tokenizer, questions: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Left-padded chat prompts (token ids, mask) for ``questions``."""
-    encoded = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             tokenize=True)["input_ids"] for q in questions]
-    return left_pad(encoded, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+    """Left-padded chat prompts (token ids, mask) for ``questions``, encoded as training encodes prompts
+    (``tokenizer``: a ``data.Tokenizer`` with the run's template, or a transformers tokenizer)."""
+    tok = as_tokenizer(tokenizer)
+    return left_pad([tok.encode_prompt(q) for q in questions],
+                    tok.hf.pad_token_id if tok.hf.pad_token_id is not None else 0)
 
 
 @dataclasses.dataclass

@@ -1,9 +1,12 @@
-"""Training: configs and validation, the sharded jitted step, the loop with Orbax checkpoints, evaluation,
-metric writers and the reference-log-prob cache."""
+"""Training: the path config -> run spec (``spec``) -> builder (``build``) -> jitted step (``step``) -> loop
+(``loop``, with ``inputs`` and ``checkpoints``), plus evaluation, metric writers and the reference-log-prob cache."""
 
-from jaxalign.train.config import ConfigError, apply_override, load_config, validate
+from jaxalign.train.build import Engine, build, load_model, model_config, restore_model
+from jaxalign.train.config import apply_override, load_config
 from jaxalign.train.loop import TrainingHalted, train
+from jaxalign.train.spec import ConfigError, RunSpec, effective_config, validate
 from jaxalign.train.step import TrainState, make_optimizer, make_train_step
 
-__all__ = ["ConfigError", "TrainState", "TrainingHalted", "apply_override", "load_config", "make_optimizer",
-           "make_train_step", "train", "validate"]
+__all__ = ["ConfigError", "Engine", "RunSpec", "TrainState", "TrainingHalted", "apply_override", "build",
+           "effective_config", "load_config", "load_model", "make_optimizer", "make_train_step", "model_config",
+           "restore_model", "train", "validate"]

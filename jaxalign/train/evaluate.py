@@ -1,5 +1,6 @@
 """Evaluation: the objective's loss and metrics on held-out batches, and exact-match accuracy of greedy answers
-for records that carry an ``answer`` (the toy tasks)."""
+for records that carry an ``answer`` (the toy tasks). Prompts go through the run's ``Tokenizer.encode_prompt``,
+so evaluation sees exactly the prompt tokens training saw (``data.chat_template`` included)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxalign.data.sater import extract_answer
+from jaxalign.data.tokenize import as_tokenizer
 from jaxalign.sampling import generate, left_pad
 from jaxalign.train.step import ModelParts, full_parts
 
@@ -25,25 +27,25 @@ def prompt_of(record: dict):
 
 
 def exact_match(model, tokenizer, records: list[dict], *, max_new_tokens: int = 8, batch_size: int = 64) -> float:
-    """Share of ``records`` whose greedy answer's last integer equals ``record["answer"]``."""
+    """Share of ``records`` whose greedy answer's last integer equals ``record["answer"]``. ``tokenizer``: the
+    run's ``Tokenizer`` (or a transformers tokenizer)."""
+    tok = as_tokenizer(tokenizer)
     usable = [(prompt_of(r), str(r["answer"])) for r in records if "answer" in r and prompt_of(r) is not None]
     if not usable:
         return float("nan")
-    prompts = [tokenizer.apply_chat_template(p if isinstance(p, list) else [{"role": "user", "content": p}],
-                                             add_generation_prompt=True, tokenize=True)["input_ids"]
-               for p, _ in usable]
+    prompts = [tok.encode_prompt(p) for p, _ in usable]
     width = max(len(p) for p in prompts)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = tok.hf.pad_token_id if tok.hf.pad_token_id is not None else 0
     correct = 0
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
         chunk = chunk + [chunk[-1]] * (batch_size - len(chunk))  # fixed shape: one compilation
         tokens, mask = left_pad(chunk, pad, width)
         out = np.asarray(generate(model, tokens, prompt_mask=mask, max_new_tokens=max_new_tokens,
-                                  eos_id=tokenizer.eos_token_id, pad_id=pad))
+                                  eos_id=tok.eos_id, pad_id=pad))
         for row in range(min(batch_size, len(prompts) - start)):
             answer = usable[start + row][1]
-            text = tokenizer.decode(out[row], skip_special_tokens=True)
+            text = tok.hf.decode(out[row], skip_special_tokens=True)
             correct += extract_answer(text) == answer
     return correct / len(usable)
 
@@ -60,3 +62,29 @@ def make_eval_step(parts, objective, hparams):
         return metrics
 
     return eval_step
+
+
+def reduce(metrics: dict) -> dict[str, float]:
+    """``{name: Metric(total, count)}`` -> ``{name: total / count}`` as floats (one read from the devices)."""
+    metrics = jax.device_get(metrics)
+    return {name: float(m.total) / max(float(m.count), 1e-9) for name, m in metrics.items()}
+
+
+def evaluate(engine, inputs, eval_fn) -> dict[str, float]:
+    """Held-out loss and metrics over ``eval.batches`` batches, and exact-match accuracy of ``eval.generate``
+    records, for ``engine``'s current state (``jaxalign.train.build.Engine``, ``jaxalign.train.inputs.Inputs``)."""
+    from jaxalign.train.inputs import device_batch
+
+    spec, out = engine.spec.eval, {}
+    if inputs.eval_pipeline is not None:
+        pipeline, totals = inputs.eval_pipeline, {}
+        pipeline.restore({**pipeline.state(), "epoch": 0, "step": 0})
+        for _ in range(min(spec.batches, pipeline.steps_per_epoch)):
+            metrics = eval_fn(engine.state.params, device_batch(engine.batch_sharding, next(pipeline)), engine.frozen,
+                              engine.state.step)
+            totals = metrics if not totals else jax.tree.map(jnp.add, totals, metrics)
+        out.update(reduce(totals))
+    if inputs.eval_records and spec.generate > 0:
+        out["accuracy"] = exact_match(engine.policy(), engine.tokenizer, inputs.eval_records[: spec.generate],
+                                      max_new_tokens=spec.max_new_tokens)
+    return out

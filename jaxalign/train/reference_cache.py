@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxalign.data.batching import bucket_length, default_buckets, max_sequence_length, pad_batch
 
-LAST_STATUS = {"status": None, "path": None}
+BATCH_SIZE = 16  # examples per reference forward pass when called directly (training: its micro-batch)
 
 
 @jax.jit
@@ -50,11 +50,12 @@ def _replicated(fn, leaf):
 
 
 def content_key(params, tokenizer, key_parts: dict, extra: dict) -> str:
+    """``tokenizer``: the run's ``data.Tokenizer`` (its effective chat template counts, override included)."""
     digest = hashlib.sha256()
     for leaf in jax.tree.leaves(params):
         digest.update(f"{leaf.shape}{leaf.dtype}".encode())
         digest.update(np.asarray(_replicated(_fingerprint, leaf)(leaf)).tobytes())
-    digest.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
+    digest.update(json.dumps(tokenizer.hf.get_vocab(), sort_keys=True).encode())
     digest.update((tokenizer.chat_template or "").encode())
     for path in key_parts.get("paths", ()):
         digest.update(Path(path).read_bytes())
@@ -63,31 +64,43 @@ def content_key(params, tokenizer, key_parts: dict, extra: dict) -> str:
     return digest.hexdigest()[:24]
 
 
-def compute(examples: list[dict], graphdef, params, kind: str, hparams, batch_size: int = 16) -> dict[str, np.ndarray]:
-    """Reference quantities for every example, in order."""
+def reference_fn(graphdef, kind: str, hparams):
+    """``fn(params, batch) -> {ref_*: values}``: the frozen reference's quantities for one batch, on the same
+    log-prob path as training (``hparams.logps_chunk_size``; the fused head never holds the ``[rows, T, V]``
+    logits), so computing them needs no more memory than the forward half of a training step."""
     from jaxalign.objectives.mpo import dominant_pass
     from jaxalign.objectives.preference import pair_logps
 
-    @jax.jit
-    def run(params, batch):
+    def fn(params, batch):
         reference = nnx.merge(graphdef, params)
         if kind == "preference":
-            chosen, rejected, _, _ = pair_logps(reference, batch, "dpo", scope="reference")
+            chosen, rejected, _, _ = pair_logps(reference, batch, "dpo", chunk_size=hparams.logps_chunk_size,
+                                                scope="reference")
             return {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
         gap, hidden = dominant_pass(reference, batch, hparams, "reference")
         return {"ref_dominant_gap": gap, "ref_dominant_hidden": hidden}
 
+    return fn
+
+
+def compute(examples: list[dict], graphdef, params, kind: str, hparams, batch_size: int = BATCH_SIZE,
+            batch_sharding: NamedSharding | None = None) -> dict[str, np.ndarray]:
+    """Reference quantities for every example, in order (``reference_fn`` over batches of ``batch_size``).
+
+    With ``batch_sharding`` (the train step's; ``batch_size`` a multiple of its data-parallel size) each device
+    computes only its rows, as in training; every process builds the whole (small) batch and gets the whole result
+    back, so this works with parameters sharded across hosts."""
     buckets = default_buckets(max_sequence_length(examples, kind))
-    mesh = _mesh_of(params)
+    mesh = _mesh_of(params) if batch_sharding is None else batch_sharding.mesh
+    whole = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
+    rows = batch_sharding or whole
+    run = jax.jit(reference_fn(graphdef, kind, hparams), out_shardings=whole)
 
     def place(params, batch):
-        """Every process holds the whole (small) batch and gets the whole result back, so this works with
-        parameters sharded across hosts."""
         if mesh is None:
             return run(params, {k: jnp.asarray(v) for k, v in batch.items()})
-        whole = NamedSharding(mesh, PartitionSpec())
-        inputs = {k: jax.make_array_from_process_local_data(whole, v) for k, v in batch.items()}
-        return jax.jit(run, out_shardings=whole)(params, inputs)
+        return run(params, {k: jax.make_array_from_callback(v.shape, rows, lambda index, v=v: v[index])
+                            for k, v in batch.items()})
 
     outputs: dict[str, list] = {}
     for start in range(0, len(examples), batch_size):
@@ -101,8 +114,10 @@ def compute(examples: list[dict], graphdef, params, kind: str, hparams, batch_si
 
 
 def attach(sources: list[list[dict]], graphdef, params, tokenizer, kind: str, hparams, cache_dir: Path,
-           key_parts: dict) -> list[list[dict]]:
-    """``sources`` with ``ref_*`` fields added to every example, from the cache when the key matches."""
+           key_parts: dict, *, batch_size: int = BATCH_SIZE, batch_sharding: NamedSharding | None = None,
+           ) -> tuple[list[list[dict]], dict]:
+    """(``sources`` with ``ref_*`` fields added to every example, ``{"status": "computed" | "reused", "path"}``):
+    from the cache when the key matches."""
     if kind not in ("preference", "mpo"):
         raise ValueError(f"precomputed references exist for preference and MPO data, not {kind!r}")
     extra = {"kind": kind, "pooling": getattr(hparams, "pooling", None), "sizes": [len(s) for s in sources]}
@@ -111,15 +126,15 @@ def attach(sources: list[list[dict]], graphdef, params, tokenizer, kind: str, hp
     examples = [example for source in sources for example in source]
     if path.exists():
         values = dict(np.load(path))
-        LAST_STATUS.update(status="reused", path=str(path))
+        status = {"status": "reused", "path": str(path)}
     else:
-        values = compute(examples, graphdef, params, kind, hparams)
+        values = compute(examples, graphdef, params, kind, hparams, batch_size, batch_sharding)
         if jax.process_index() == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp.npz")
             np.savez(tmp, **values)
             tmp.replace(path)
-        LAST_STATUS.update(status="computed", path=str(path))
+        status = {"status": "computed", "path": str(path)}
     if any(len(v) != len(examples) for v in values.values()):
         raise ValueError(f"{path}: cached reference values do not match the {len(examples)} examples; delete it")
     flat = iter(range(len(examples)))
@@ -130,4 +145,4 @@ def attach(sources: list[list[dict]], graphdef, params, tokenizer, kind: str, hp
             i = next(flat)
             enriched.append({**example, **{name: value[i] for name, value in values.items()}})
         out.append(enriched)
-    return out
+    return out, status

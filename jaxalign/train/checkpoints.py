@@ -1,0 +1,49 @@
+"""Orbax checkpoints of a run: save (async, keep-N), and restore the newest one that reads back.
+
+A checkpoint holds the ``TrainState`` and a JSON meta record (step, data position, objective name). A broken
+checkpoint (half-written, corrupt) is skipped with a warning and the next older one restored.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from jaxalign.train.step import TrainState
+
+
+def manager(workdir: Path, keep: int) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager((Path(workdir) / "checkpoints").resolve(),
+                                 options=ocp.CheckpointManagerOptions(max_to_keep=keep,
+                                                                      enable_async_checkpointing=True))
+
+
+def save(manager: ocp.CheckpointManager, state: TrainState, step: int, meta: dict, *, wait: bool = False) -> None:
+    """Saves ``state`` as ``step`` (nothing when that step is already saved); ``wait`` blocks until written."""
+    if manager.latest_step() != step:
+        manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                   meta=ocp.args.JsonSave({"step": step, **meta})), force=True)
+    if wait:
+        manager.wait_until_finished()
+
+
+def abstract_of(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def restore_latest(manager: ocp.CheckpointManager, state: TrainState) -> tuple[TrainState, dict] | None:
+    """The newest checkpoint that restores into ``state``'s shapes and shardings; broken ones are skipped with a
+    warning."""
+    target = abstract_of(state)
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                                     meta=ocp.args.JsonRestore()))
+            return TrainState(*restored.state), restored.meta
+        except Exception as err:  # a half-written or corrupt checkpoint must not stop the run
+            warnings.warn(f"checkpoint {step} could not be restored ({type(err).__name__}: {err}); trying an "
+                          "older one", stacklevel=2)
+    return None

@@ -1,0 +1,148 @@
+"""A run's inputs: toy data written out, files loaded and tokenised with the run's tokenizer, precomputed
+references attached, the train and eval pipelines, and a prefetcher that prepares the next batch on the host
+(and places it on the devices) while the current step runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxalign.data import DataPipeline, PipelineConfig, load_sources
+from jaxalign.data.sources import read_records
+from jaxalign.data.toy import GENERATORS, write_jsonl
+from jaxalign.train import reference_cache
+from jaxalign.train.spec import RunSpec, path_inside
+
+
+def materialise_data(spec: RunSpec, workdir: Path) -> tuple[list[str], list[str]]:
+    """Paths of the training and eval files; ``toy:NAME`` sources are generated into ``workdir/data`` with the
+    eval questions held out of the training file."""
+    data = spec.data
+
+    def toy_records(name: str, n: int, seed: int) -> list[dict]:
+        if name not in GENERATORS:
+            raise ValueError(f"data source toy:{name} is unknown; choose one of {', '.join(GENERATORS)}")
+        kwargs = {"style": data.toy_style} if name == "arithmetic" else {}
+        return GENERATORS[name](n, seed, **kwargs)
+
+    def question(record: dict) -> str:
+        return json.dumps(record.get("messages", record.get("prompt", record.get("source_conversations")))[:1])
+
+    eval_paths, held_out = [], set()
+    for source in filter(None, data.eval.split(",")):
+        if source.startswith("toy:"):
+            records = toy_records(source[4:], data.toy_eval_size, spec.seed + 1000)
+            held_out |= {question(r) for r in records}
+            source = str(write_jsonl(records, workdir / "data" / f"eval_{source[4:]}.jsonl"))
+        eval_paths.append(source)
+    train_paths = []
+    for source in filter(None, data.train.split(",")):
+        if source.startswith("toy:"):
+            records = [r for r in toy_records(source[4:], data.toy_size, spec.seed) if question(r) not in held_out]
+            source = str(write_jsonl(records, workdir / "data" / f"train_{source[4:]}.jsonl"))
+        train_paths.append(source)
+    if not train_paths:
+        raise ValueError("data.train is empty: give one or more files (comma-separated) or toy:NAME")
+    return train_paths, eval_paths
+
+
+@dataclasses.dataclass
+class Inputs:
+    pipeline: DataPipeline
+    eval_pipeline: DataPipeline | None
+    eval_records: list[dict]  # raw eval records (those with an ``answer`` are scored by exact match)
+    reference_cache: dict | None  # {"status": "computed" | "reused", "path": ...} with a precomputed reference
+
+
+def load_inputs(spec: RunSpec, engine, workdir: Path, log: Callable[[str], None]) -> Inputs:
+    """Validated, tokenised data in pipelines for ``engine`` (``jaxalign.train.build.Engine``)."""
+    data, kind = spec.data, engine.objective.data_kind
+    train_paths, eval_paths = materialise_data(spec, workdir)
+    sources, reports = load_sources(train_paths, engine.tokenizer, kind=kind, on_invalid=data.on_invalid)
+    for report in reports:
+        log(f"data: {report.summary()}")
+    eval_sources = load_sources(eval_paths, engine.tokenizer, kind=kind, on_invalid="skip")[0] if eval_paths else []
+    cache = None
+    if spec.objective.uses_reference and spec.reference.kind == "precomputed":
+        cache_dir = path_inside(workdir, spec.reference.cache_dir or "reference_cache", "reference.cache_dir")
+
+        def attach(sources, paths):
+            return reference_cache.attach(sources, engine.graphdef, engine.base_params, engine.tokenizer, kind,
+                                          engine.hparams, cache_dir,
+                                          key_parts={"paths": paths, "max_length": data.max_length,
+                                                     "max_prompt_length": data.max_prompt_length},
+                                          batch_size=spec.train.batch_size // spec.train.grad_accum,
+                                          batch_sharding=engine.batch_sharding)
+
+        if eval_sources:
+            eval_sources, _ = attach(eval_sources, eval_paths)
+        sources, cache = attach(sources, train_paths)
+        log(f"reference log-probs {cache['status']}: {cache['path']}")
+    pad_id = engine.hf_tokenizer.pad_token_id if engine.hf_tokenizer.pad_token_id is not None else 0
+    hosts = dict(num_hosts=jax.process_count(), host_index=jax.process_index())
+    pipeline = DataPipeline(sources, kind, PipelineConfig(
+        batch_size=spec.train.batch_size, seed=spec.seed, shuffle=data.shuffle, weights=data.mixture_weights(),
+        packing=data.packing, row_length=data.row_length, max_pairs_per_row=data.max_pairs_per_row, pad_id=pad_id),
+        **hosts)
+    eval_pipeline, eval_records = None, []
+    if eval_sources:
+        eval_pipeline = DataPipeline(eval_sources, kind, PipelineConfig(batch_size=spec.train.batch_size,
+                                                                        shuffle=False, pad_id=pad_id), **hosts)
+        eval_records = [r for path in eval_paths for _, r in read_records(path) if isinstance(r, dict)]
+    return Inputs(pipeline, eval_pipeline, eval_records, cache)
+
+
+def device_batch(sharding, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """This host's rows of a batch as global arrays split over the data-parallel axes."""
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+
+def real_tokens(batch: dict[str, np.ndarray]) -> int:
+    return int(sum(v.sum() for k, v in batch.items() if k.endswith("attention_mask")))
+
+
+class Prefetcher:
+    """Batches from ``pipeline`` prepared ``depth`` steps ahead on a host thread: each item is (device batch,
+    real tokens, the pipeline's position after that batch), so a checkpoint records the position of the last
+    batch the step consumed, not of the ones waiting. Errors in the thread are raised in the caller."""
+
+    def __init__(self, pipeline: DataPipeline, sharding, depth: int = 2):
+        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._fill, args=(pipeline, sharding), daemon=True,
+                                        name="jaxalign-prefetch")
+        self._thread.start()
+
+    def _fill(self, pipeline, sharding) -> None:
+        while not self._done.is_set():
+            try:
+                batch = next(pipeline)
+                item: Any = (device_batch(sharding, batch), real_tokens(batch), pipeline.state())
+            except BaseException as err:  # handed to the consumer, which raises it
+                item = err
+            while not self._done.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+
+    def __next__(self):
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=10)
