@@ -1,4 +1,5 @@
-"""Orbax checkpoints of a run: save (async, keep-N), and restore the newest one that reads back.
+"""Orbax checkpoints of a run: save (async, keep-N), restore the newest one that reads back, and the SIGTERM /
+SIGINT handler that makes the loop save and stop at the next step boundary.
 
 A checkpoint holds the ``TrainState`` and a JSON meta record (step, data position, objective name). A broken
 checkpoint (half-written, corrupt) is skipped with a warning and the next older one restored.
@@ -6,6 +7,7 @@ checkpoint (half-written, corrupt) is skipped with a warning and the next older 
 
 from __future__ import annotations
 
+import signal
 import warnings
 from pathlib import Path
 
@@ -47,3 +49,22 @@ def restore_latest(manager: ocp.CheckpointManager, state: TrainState) -> tuple[T
             warnings.warn(f"checkpoint {step} could not be restored ({type(err).__name__}: {err}); trying an "
                           "older one", stacklevel=2)
     return None
+
+
+class StopSignals:
+    """SIGTERM / SIGINT set a flag; the loop saves and exits at the next step boundary."""
+
+    def __init__(self):
+        self.requested, self._previous = None, {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, _frame):
+        self.requested = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from jaxalign.train.build import Engine, build, run_mesh, write_model_config
 from jaxalign.train.evaluate import evaluate, reduce
 from jaxalign.train.inputs import Inputs, Prefetcher, load_inputs
 from jaxalign.train.spec import RunSpec, effective_config, validate
-from jaxalign.train.writers import MetricWriter, plot_curves
+from jaxalign.train.writers import MetricWriter, plot_curves, progress_bar, write_summary
 
 
 def log(message: str) -> None:
@@ -92,25 +90,6 @@ def resume(run: Run) -> None:
     run.step = int(run.engine.state.step)
 
 
-class _Stop:
-    """SIGTERM / SIGINT set a flag; the loop saves and exits at the next step boundary."""
-
-    def __init__(self):
-        self.requested, self._previous = None, {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, _frame):
-        self.requested = signal.Signals(signum).name
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 def report_skips(run: Run, counts: list, seen: int) -> int:
     """Logs each step whose update the NaN guard skipped (``counts``: the running count after each step of the
     window, read in one transfer); halts with ``nan_policy='halt'``. Returns the count after the window."""
@@ -143,14 +122,10 @@ def log_window(run: Run, window: dict, tokens: int, started: float, progress) ->
         log(line)
 
 
-def run_steps(run: Run, stop: _Stop) -> str | None:
+def run_steps(run: Run, stop: checkpoints.StopSignals) -> str | None:
     """Trains from ``run.step`` to ``train.steps``; returns the signal's name if one stopped it."""
     cfg, engine = run.spec.train, run.engine
-    progress = None
-    if run.spec.logging.progress and sys.stderr.isatty() and jax.process_index() == 0:
-        from tqdm import tqdm
-
-        progress = tqdm(total=cfg.steps, initial=run.step, dynamic_ncols=True)
+    progress = progress_bar(cfg.steps, run.step) if run.spec.logging.progress else None
     step_fn, frozen = engine.train_step, (() if engine.frozen is None else (engine.frozen,))
     skipped = int(engine.state.skipped)
     window, counts, tokens, started = {}, [], 0, time.time()
@@ -191,15 +166,12 @@ def summarise(run: Run, initial_eval: dict | None, start_time: float) -> dict[st
     if run.spec.logging.plot and jax.process_index() == 0:
         plot = plot_curves(run.workdir / "metrics.jsonl", run.workdir / "curves.png",
                            title=f"{run.spec.objective.name} — {run.workdir.name}")
-    summary = {"step": run.step, "workdir": str(run.workdir), "metrics": str(run.workdir / "metrics.jsonl"),
-               "checkpoints": str(run.workdir / "checkpoints"), "plot": str(plot) if plot else None,
-               "tensorboard": str(run.workdir / "tensorboard") if run.spec.logging.tensorboard else None,
-               "initial_eval": initial_eval, "final_eval": final_eval,
-               "skipped_updates": int(run.engine.state.skipped), "reference_cache": run.inputs.reference_cache,
-               "seconds": round(time.time() - start_time, 1)}
-    if jax.process_index() == 0:
-        (run.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    return write_summary(run.workdir, {
+        "step": run.step, "workdir": str(run.workdir), "metrics": str(run.workdir / "metrics.jsonl"),
+        "checkpoints": str(run.workdir / "checkpoints"), "plot": str(plot) if plot else None,
+        "tensorboard": str(run.workdir / "tensorboard") if run.spec.logging.tensorboard else None,
+        "initial_eval": initial_eval, "final_eval": final_eval, "skipped_updates": int(run.engine.state.skipped),
+        "reference_cache": run.inputs.reference_cache, "seconds": round(time.time() - start_time, 1)})
 
 
 def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -209,7 +181,7 @@ def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
     run = setup(config)
     resume(run)
     initial_eval = (run.evaluate(0) or None) if run.step == 0 else None
-    with _Stop() as stop, jax.set_mesh(run.engine.mesh), run.engine.rules_scope():
+    with checkpoints.StopSignals() as stop, jax.set_mesh(run.engine.mesh), run.engine.rules_scope():
         stop_reason = run_steps(run, stop)
         run.save(wait=True)
         if stop_reason:

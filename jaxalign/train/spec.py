@@ -135,7 +135,8 @@ class DataSpec:
                 problems.append(f"data.weights={self.weights!r} needs one non-negative number per data.train file")
         entry = run.objective.entry
         if entry is not None and self.packing and not entry.packing:
-            supported = ", ".join(n for n, o in OBJECTIVES.items() if o.packing)
+            *most, last = [n for n, o in OBJECTIVES.items() if o.packing]
+            supported = f"{', '.join(most)} and {last}" if most else last
             problems.append(f"data.packing is supported for {supported}, not {run.objective.name} "
                             f"({entry.packing_note})")
         elif entry is not None and self.packing:

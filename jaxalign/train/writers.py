@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import jax
@@ -50,6 +51,22 @@ class MetricWriter:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def progress_bar(total: int, initial: int):
+    """A tqdm bar on process 0 when stderr is a terminal, else None (the loop then prints log lines)."""
+    if not sys.stderr.isatty() or jax.process_index() != 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, dynamic_ncols=True)
+
+
+def write_summary(workdir: str | Path, summary: dict) -> dict:
+    """``summary.json`` in the run folder (process 0); returns ``summary``."""
+    if jax.process_index() == 0:
+        (Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
 
 
 def read_metrics(path: str | Path) -> list[dict]:
