@@ -26,7 +26,7 @@ from jaxalign.models import LlamaConfig, abstract_model, lora
 from jaxalign.objectives.common import resolve_chunk_size
 from jaxalign.parallel.mesh import mesh_sizes
 from jaxalign.train.build import model_config, optimizer
-from jaxalign.train.spec import RunSpec
+from jaxalign.train.spec import ConfigError, ObjectiveSpec, RunSpec
 from jaxalign.train.step import state_shardings
 
 GB = 1e9
@@ -144,6 +144,8 @@ def plan(config: ml_collections.ConfigDict, num_devices: int, *, backend: str | 
     """Per-device memory of training ``config`` on ``num_devices`` devices with the config's mesh, on ``backend``
     ("cpu", "gpu", "tpu"; default: JAX's), which picks the automatic log-prob path."""
     spec = RunSpec.from_config(config, check=False)
+    if spec.objective.params is None:  # an unknown objective or hyper-parameter: nothing to plan
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(ObjectiveSpec.read(config.objective)[1]))
     sizes = mesh_sizes(spec.mesh.shape, num_devices)
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
     rules = spec.mesh.rules_table

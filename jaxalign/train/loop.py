@@ -180,8 +180,8 @@ def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
     distributed.initialize(config.get("distributed"))
     run = setup(config)
     resume(run)
-    initial_eval = (run.evaluate(0) or None) if run.step == 0 else None
     with checkpoints.StopSignals() as stop, jax.set_mesh(run.engine.mesh), run.engine.rules_scope():
+        initial_eval = (run.evaluate(0) or None) if run.step == 0 else None
         stop_reason = run_steps(run, stop)
         run.save(wait=True)
         if stop_reason:
