@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
+
+# transformers' "PyTorch was not found" advice on every command: jaxalign needs only its tokenizers and configs
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 DEFAULT_PROMPT = "What is the capital of France?"
 
@@ -182,7 +186,7 @@ def cmd_train(args) -> int:
     from jaxalign.train import load_config, train
 
     config = load_config(args.config, args.overrides)
-    summary = train(config)
+    summary = train(config, stop_on_signals=True)
     if summary.get("stopped"):
         return 0
     print("\n=== jaxalign train: done ===")
@@ -218,6 +222,18 @@ def cmd_plan(args) -> int:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(result.table(args.hardware, args.memory_gb))
+    return 0
+
+
+def cmd_config_show(args) -> int:
+    from jaxalign.train import load_config
+    from jaxalign.train.fields import describe, table
+
+    rows = describe(load_config(args.name, args.overrides))
+    if args.json:
+        print(json.dumps({path: json.loads(value) for path, value, _ in rows}, indent=2))
+    else:
+        print(table(rows))
     return 0
 
 
@@ -321,6 +337,17 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 
+    cf = commands.add_parser("config", help="list a config's fields with their values and what they mean")
+    config_commands = cf.add_subparsers(dest="config_command", required=True)
+    show = config_commands.add_parser("show", help="every field of a config, its value and a line of help",
+                                      description="Prints every field of the config NAME[:PRESET] (after any "
+                                                  "--config.FIELD=VALUE overrides) with its value and what it means, "
+                                                  "the objective's hyper-parameters with their defaults.")
+    show.add_argument("name", nargs="?", default="default", help="config name or .py / config.json path, "
+                                                                 "optionally :PRESET")
+    show.add_argument("--json", action="store_true", help="print {field: value} as JSON")
+    show.set_defaults(func=cmd_config_show)
+
     cp = commands.add_parser("cpi", help="CPI-FT: probe fine-tunes, core masks, groups, fusion, staged SFT",
                              description="Runs CPI-FT and its baselines (multi-task and sequential SFT) and writes a "
                                          "report. Override fields like train: --config.cpi.fraction=0.02.")
@@ -417,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if argv[:1] in (["train"], ["cpi"], ["plan"]):
+    if argv[:1] in (["train"], ["cpi"], ["plan"]) or argv[:2] == ["config", "show"]:
         args, rest = parser.parse_known_args(argv)
         unknown = [a for a in rest if not a.startswith("--config.")]
         if unknown:
@@ -426,12 +453,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = parser.parse_args(argv)
     from jaxalign.models import CheckpointError
+    from jaxalign.train.checkpoints import RunFolderBusy
     from jaxalign.train.loop import TrainingHalted
 
     try:
         return args.func(args)
-    except (CheckpointError, FileNotFoundError, ValueError, TrainingHalted) as err:
-        command = " ".join(filter(None, (args.command, getattr(args, "data_command", None))))
+    except (CheckpointError, FileNotFoundError, ValueError, TrainingHalted, RunFolderBusy) as err:
+        command = " ".join(filter(None, (args.command, getattr(args, "data_command", None),
+                                         getattr(args, "config_command", None))))
         print(f"jaxalign {command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

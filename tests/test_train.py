@@ -41,8 +41,14 @@ def test_overrides_are_typed_and_checked():
     assert config.objective.params.beta == 0.3 and config.objective.params.loss_type == "ipo"
     with pytest.raises(ConfigError, match=r"no field 'optim\.learning_rate'"):
         load_config("sft", ["--config.optim.learning_rate=1"])
-    with pytest.raises(ConfigError, match="expected a int"):
+    with pytest.raises(ConfigError, match=r"expected an integer \(e.g. 600\), got 'many'"):
         load_config("sft", ["--config.train.steps=many"])
+    with pytest.raises(ConfigError, match=r"no field 'train.stepz' \(did you mean 'steps'\?\)"):
+        load_config("sft", ["--config.train.stepz=3"])
+    with pytest.raises(ConfigError, match=r"no section 'optm' in the config \(did you mean 'optim'\?\)"):
+        load_config("sft", ["--config.optm.lr=3"])
+    with pytest.raises(ValueError, match=r"did you mean 'beta' for 'betta'\?"):
+        make_params("dpo", {"betta": 0.2})
     with pytest.raises(ConfigError, match="not found"):
         load_config("nonexistent")
 

@@ -8,6 +8,7 @@ reads ``packing``; the CLI's choices and the tests' lists come from ``OBJECTIVES
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -62,5 +63,7 @@ def make_params(name: str, values: Mapping[str, Any] | None = None):
     fields = {f.name for f in dataclasses.fields(params_cls)}
     unknown = sorted(set(values) - fields)
     if unknown:
-        raise ValueError(f"objective {name!r} has no hyper-parameters {unknown}; valid: {sorted(fields)}")
+        close = {u: difflib.get_close_matches(u, fields, n=1, cutoff=0.6) for u in unknown}
+        hints = "".join(f"; did you mean {c[0]!r} for {u!r}?" for u, c in close.items() if c)
+        raise ValueError(f"objective {name!r} has no hyper-parameters {unknown}; valid: {sorted(fields)}{hints}")
     return params_cls(**values)

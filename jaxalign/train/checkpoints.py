@@ -1,5 +1,5 @@
-"""Orbax checkpoints of a run: save (async, keep-N), restore the newest one that reads back, and the SIGTERM /
-SIGINT handler that makes the loop save and stop at the next step boundary.
+"""Orbax checkpoints of a run: save (async, keep-N), restore the newest one that reads back; the run folder's lock;
+and the SIGTERM / SIGINT handler (installed by the CLI) that makes the loop save and stop at the next step boundary.
 
 A checkpoint holds the ``TrainState`` and a JSON meta record (step, data position, objective name). A broken
 checkpoint (half-written, corrupt) is skipped with a warning and the next older one restored.
@@ -7,6 +7,9 @@ checkpoint (half-written, corrupt) is skipped with a warning and the next older 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import signal
 import warnings
 from pathlib import Path
@@ -68,3 +71,54 @@ class StopSignals:
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+class NoSignals:
+    """What the loop sees when the caller keeps its own signal handling (library calls, tests): never a request, so
+    Ctrl-C raises ``KeyboardInterrupt`` as usual."""
+
+    requested = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+class RunFolderBusy(RuntimeError):
+    """Another process is training into the same run folder."""
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``workdir/.lock`` (holding the owner's PID) for the life of a run: a second run into
+    the same folder fails at once with the first one's PID; the kernel drops the lock when its process dies, so a
+    lock left by a killed run never blocks the next one."""
+
+    def __init__(self, workdir: Path):
+        self.path = Path(workdir) / ".lock"
+        self._handle = None
+
+    def __enter__(self):
+        handle = self.path.open("a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            owner = handle.read().strip() or "unknown"
+            handle.close()
+            raise RunFolderBusy(f"{self.path.parent} is in use by another jaxalign run (PID {owner}); wait for it to "
+                                "finish, stop it (it saves on SIGTERM), or give another --config.workdir") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        self._handle = handle
+        return self
+
+    def __exit__(self, *exc):
+        if self._handle is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._handle, fcntl.LOCK_UN)
+            self._handle.close()
+            self._handle = None

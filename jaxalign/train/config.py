@@ -9,6 +9,7 @@ followed by ``:ARG`` for its ``get_config(arg)`` (model presets: ``dpo:smollm2``
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib.util
 import json
 from collections.abc import Mapping, Sequence
@@ -83,6 +84,14 @@ def load_config(spec: str = "default", overrides: Sequence[str] = ()) -> ml_coll
     return config
 
 
+TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _expected(current, text: str) -> str:
+    example = {int: " (e.g. 600)", float: " (e.g. 1e-5)"}.get(type(current), "")
+    return f"expected {TYPE_NAMES.get(type(current), type(current).__name__)}{example}, got {text!r}"
+
+
 def _parse_value(text: str, current):
     """``text`` as the type of the field's current value (strings stay strings)."""
     if isinstance(current, str):
@@ -92,18 +101,24 @@ def _parse_value(text: str, current):
             return True
         if text.lower() in ("false", "0", "no"):
             return False
-        raise ValueError(f"expected true or false, got {text!r}")
+        raise ValueError(_expected(current, text))
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         if current is None:
             return text
-        raise ValueError(f"expected a {type(current).__name__}, got {text!r}") from None
-    if isinstance(current, float) and isinstance(value, int):
+        raise ValueError(_expected(current, text)) from None
+    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if current is not None and not isinstance(value, type(current)):
-        raise ValueError(f"expected a {type(current).__name__}, got {text!r}")
+        raise ValueError(_expected(current, text))
     return value
+
+
+def did_you_mean(name: str, choices) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices``, or ""."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def apply_override(config: ml_collections.ConfigDict, override: str) -> None:
@@ -115,13 +130,16 @@ def apply_override(config: ml_collections.ConfigDict, override: str) -> None:
     *parents, leaf = key.split(".")
     node = config
     for i, part in enumerate(parents):
-        if part not in node:
-            raise ConfigError(f"override {override!r}: no field {'.'.join(parents[: i + 1])!r} in the config")
+        if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
+            sections = [k for k, v in node.items() if isinstance(v, ml_collections.ConfigDict)]
+            raise ConfigError(f"override {override!r}: no section {'.'.join(parents[: i + 1])!r} in the config"
+                              f"{did_you_mean(part, sections)}")
         node = node[part]
     is_params = parents == ["objective", "params"]
     if leaf not in node and not is_params:
         siblings = ", ".join(sorted(node.keys()))
-        raise ConfigError(f"override {override!r}: no field {key!r} (fields here: {siblings})")
+        raise ConfigError(f"override {override!r}: no field {key!r}{did_you_mean(leaf, node.keys())} (fields "
+                          f"here: {siblings}; `jaxalign config show` lists them all)")
     try:
         parsed = _parse_value(value, node.get(leaf))
     except ValueError as err:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -23,8 +25,8 @@ from jaxalign.train.spec import RunSpec, path_inside
 
 
 def materialise_data(spec: RunSpec, workdir: Path) -> tuple[list[str], list[str]]:
-    """Paths of the training and eval files; ``toy:NAME`` sources are generated into ``workdir/data`` with the
-    eval questions held out of the training file."""
+    """Paths of the training and eval files; ``toy:NAME`` sources are generated into ``workdir/data`` (``workdir``:
+    the run folder or a staging folder) with the eval questions held out of the training file."""
     data = spec.data
 
     def toy_records(name: str, n: int, seed: int) -> list[dict]:
@@ -64,11 +66,23 @@ class Inputs:
 
 def load_inputs(spec: RunSpec, engine, workdir: Path, log: Callable[[str], None]) -> Inputs:
     """Validated, tokenised data in pipelines for ``engine`` (``jaxalign.train.build.Engine``)."""
+    staging = Path(tempfile.mkdtemp(prefix=".inputs-", dir=workdir))  # toy files land in the run folder only
+    try:  # once everything loaded, so a failed start leaves an existing run folder as it was
+        inputs = _load(spec, engine, workdir, staging, log)
+        for made in sorted((staging / "data").glob("*")):
+            (workdir / "data").mkdir(exist_ok=True)
+            made.replace(workdir / "data" / made.name)
+        return inputs
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _load(spec: RunSpec, engine, workdir: Path, staging: Path, log: Callable[[str], None]) -> Inputs:
     data, kind = spec.data, engine.objective.data_kind
-    train_paths, eval_paths = materialise_data(spec, workdir)
+    train_paths, eval_paths = materialise_data(spec, staging)
     sources, reports = load_sources(train_paths, engine.tokenizer, kind=kind, on_invalid=data.on_invalid)
     for report in reports:
-        log(f"data: {report.summary()}")
+        log(f"data: {report.summary().replace(str(staging), str(workdir))}")
     eval_sources = load_sources(eval_paths, engine.tokenizer, kind=kind, on_invalid="skip")[0] if eval_paths else []
     cache = None
     if spec.objective.uses_reference and spec.reference.kind == "precomputed":

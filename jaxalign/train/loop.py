@@ -8,6 +8,7 @@ evaluates or saves (and every step with ``train.nan_policy='halt'``), so the nex
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -61,21 +62,19 @@ class Run:
         return values
 
 
-def setup(config: ml_collections.ConfigDict) -> Run:
-    spec = validate(config)
+def setup(config: ml_collections.ConfigDict, spec: RunSpec) -> Run:
+    """Engine and inputs first: config.json, tokenizer/ and model_config.json are written once both loaded."""
     workdir = Path(spec.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    effective = effective_config(config, spec)
-    if jax.process_index() == 0:
-        (workdir / "config.json").write_text(json.dumps(effective, indent=2))
     mesh = run_mesh(spec)
     log(f"mesh {dict(mesh.shape)} over {jax.device_count()} devices in {jax.process_count()} process"
         f"{'es' if jax.process_count() > 1 else ''}")
     engine = build(spec, mesh, log=log)
+    inputs = load_inputs(spec, engine, workdir, log)
+    effective = effective_config(config, spec)
     if jax.process_index() == 0:
+        (workdir / "config.json").write_text(json.dumps(effective, indent=2))
         engine.hf_tokenizer.save_pretrained(str(workdir / "tokenizer"))
         write_model_config(workdir, engine.model_config)
-    inputs = load_inputs(spec, engine, workdir, log)
     writer = MetricWriter(workdir, tensorboard=spec.logging.tensorboard, wandb=spec.logging.wandb,
                           wandb_project=spec.logging.wandb_project, config=effective)
     return Run(spec, workdir, engine, inputs, checkpoints.manager(workdir, spec.train.keep_checkpoints), writer)
@@ -122,7 +121,7 @@ def log_window(run: Run, window: dict, tokens: int, started: float, progress) ->
         log(line)
 
 
-def run_steps(run: Run, stop: checkpoints.StopSignals) -> str | None:
+def run_steps(run: Run, stop) -> str | None:
     """Trains from ``run.step`` to ``train.steps``; returns the signal's name if one stopped it."""
     cfg, engine = run.spec.train, run.engine
     progress = progress_bar(cfg.steps, run.step) if run.spec.logging.progress else None
@@ -174,13 +173,22 @@ def summarise(run: Run, initial_eval: dict | None, start_time: float) -> dict[st
         "reference_cache": run.inputs.reference_cache, "seconds": round(time.time() - start_time, 1)})
 
 
-def train(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """Runs (or resumes) training; returns a summary with the paths written."""
+def train(config: ml_collections.ConfigDict, *, stop_on_signals: bool = False) -> dict[str, Any]:
+    """Runs (or resumes) training; returns a summary with the paths written. ``stop_on_signals`` (the CLI's
+    choice): SIGTERM / SIGINT save a checkpoint and stop at the next step; otherwise the caller's handlers stay."""
     start_time = time.time()
     distributed.initialize(config.get("distributed"))
-    run = setup(config)
+    spec = validate(config)
+    Path(spec.workdir).mkdir(parents=True, exist_ok=True)
+    lock = checkpoints.RunLock(Path(spec.workdir)) if jax.process_index() == 0 else contextlib.nullcontext()
+    signals = checkpoints.StopSignals() if stop_on_signals else checkpoints.NoSignals()
+    with lock:
+        return _train(setup(config, spec), signals, start_time)
+
+
+def _train(run: Run, signals, start_time: float) -> dict[str, Any]:
     resume(run)
-    with checkpoints.StopSignals() as stop, jax.set_mesh(run.engine.mesh), run.engine.rules_scope():
+    with signals as stop, jax.set_mesh(run.engine.mesh), run.engine.rules_scope():
         initial_eval = (run.evaluate(0) or None) if run.step == 0 else None
         stop_reason = run_steps(run, stop)
         run.save(wait=True)

@@ -1,0 +1,74 @@
+"""What a user meets first: config help and typo hints, a locked run folder, a failed start that changes nothing,
+and library calls that leave Ctrl-C alone."""
+
+import json
+import signal
+
+import pytest
+
+from jaxalign.cli import main
+from jaxalign.configs import base
+from jaxalign.data import DataError
+from jaxalign.train import load_config, train
+from jaxalign.train import writers as writers_module
+from jaxalign.train.checkpoints import RunFolderBusy, RunLock
+from jaxalign.train.fields import HELP, describe
+
+SMALL = ["--config.model.shape.hidden_size=32", "--config.model.shape.intermediate_size=64",
+         "--config.model.shape.num_layers=1", "--config.model.shape.num_heads=2", "--config.model.shape.num_kv_heads=1",
+         "--config.data.toy_size=100", "--config.data.toy_eval_size=8", "--config.data.max_length=48",
+         "--config.train.batch_size=8", "--config.train.log_every=2", "--config.train.eval_every=0",
+         "--config.eval.batches=1", "--config.eval.generate=0", "--config.logging.tensorboard=False",
+         "--config.logging.plot=False", "--config.train.steps=2"]
+
+
+def test_every_field_has_a_line_of_help_and_config_show_prints_them(capsys):
+    rows = describe(base.get_config())
+    assert {path for path, _, _ in rows if not path.startswith("objective.params.")} == set(HELP)
+    assert main(["config", "show", "dpo", "--config.train.steps=7"]) == 0
+    out = capsys.readouterr().out
+    assert any(line.startswith("train.steps") and " 7 " in line and "optimizer steps" in line
+               for line in out.splitlines())
+    assert "objective.params.label_smoothing" in out  # hyper-parameters with their defaults
+    assert main(["config", "show", "sft", "--json"]) == 0
+    values = json.loads(capsys.readouterr().out)
+    assert values["objective.params.normalization"] == "token" and values["train.steps"] == 600
+    assert main(["config", "show", "sft", "--config.optim.lrr=1"]) == 2
+    assert "did you mean 'lr'?" in capsys.readouterr().err
+
+
+def test_a_second_run_into_a_busy_folder_is_refused_with_the_owner(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    with RunLock(workdir):
+        with pytest.raises(RunFolderBusy, match=r"in use by another jaxalign run \(PID \d+\)"):
+            train(load_config("sft", [*SMALL, f"--config.workdir={workdir}"]))
+        assert main(["train", "--config", "sft", *SMALL, f"--config.workdir={workdir}"]) == 2
+        assert "in use by another jaxalign run" in capsys.readouterr().err
+        assert not (workdir / "config.json").exists()
+    train(load_config("sft", [*SMALL, f"--config.workdir={workdir}"]))  # released: the folder is usable again
+
+
+def test_a_failed_start_leaves_an_existing_run_folder_byte_identical(tmp_path):
+    workdir = tmp_path / "run"
+    train(load_config("sft", [*SMALL, f"--config.workdir={workdir}"]))
+    before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl"):
+        train(load_config("dpo", [*SMALL, f"--config.workdir={workdir}", f"--config.data.train={bad}"]))
+    after = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+    assert after == before
+
+
+def test_library_training_leaves_the_callers_signal_handlers(tmp_path, monkeypatch):
+    seen = []
+    write = writers_module.MetricWriter.write
+
+    def spy(self, *args, **kwargs):
+        seen.append(signal.getsignal(signal.SIGINT))
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(writers_module.MetricWriter, "write", spy)
+    train(load_config("sft", [*SMALL, f"--config.workdir={tmp_path / 'run'}"]))
+    assert seen and all(handler is signal.default_int_handler for handler in seen)
