@@ -33,6 +33,8 @@ from jaxalign.models.auto import bundled_smollm2
 from jaxalign.sampling import generate, left_pad
 from jaxalign.train.export import export
 
+REQUIRES = ("torch",)  # the export check loads the folder in transformers (tests skip without it)
+
 STUDY = "smollm2_real"
 INSTRUCTION = "Complete the following Python function.\n\n"
 SMOKE_PROBLEMS = [

@@ -453,12 +453,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = parser.parse_args(argv)
     from jaxalign.models import CheckpointError
-    from jaxalign.train.checkpoints import RunFolderBusy
+    from jaxalign.train.checkpoints import RunFolderError
     from jaxalign.train.loop import TrainingHalted
 
     try:
         return args.func(args)
-    except (CheckpointError, FileNotFoundError, ValueError, TrainingHalted, RunFolderBusy) as err:
+    except (CheckpointError, FileNotFoundError, ValueError, TrainingHalted, RunFolderError) as err:
         command = " ".join(filter(None, (args.command, getattr(args, "data_command", None),
                                          getattr(args, "config_command", None))))
         print(f"jaxalign {command}: error: {err}", file=sys.stderr)

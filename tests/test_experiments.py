@@ -21,6 +21,8 @@ def experiments_on_path():
 @pytest.mark.parametrize("study", STUDIES)
 def test_study_runs_at_smoke_size(study, tmp_path):
     module = importlib.import_module(study)
+    for package in getattr(module, "REQUIRES", ()):
+        pytest.importorskip(package)
     results = module.main(["--smoke", "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "runs")])
     assert results
     written = json.loads((tmp_path / "out" / f"{study}.json").read_text())

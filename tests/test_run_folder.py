@@ -11,7 +11,7 @@ from jaxalign.configs import base
 from jaxalign.data import DataError
 from jaxalign.train import load_config, train
 from jaxalign.train import writers as writers_module
-from jaxalign.train.checkpoints import RunFolderBusy, RunLock
+from jaxalign.train.checkpoints import RunFolderBusy, RunFolderError, RunLock
 from jaxalign.train.fields import HELP, describe
 
 SMALL = ["--config.model.shape.hidden_size=32", "--config.model.shape.intermediate_size=64",
@@ -72,3 +72,47 @@ def test_library_training_leaves_the_callers_signal_handlers(tmp_path, monkeypat
     monkeypatch.setattr(writers_module.MetricWriter, "write", spy)
     train(load_config("sft", [*SMALL, f"--config.workdir={tmp_path / 'run'}"]))
     assert seen and all(handler is signal.default_int_handler for handler in seen)
+
+
+def test_a_different_run_in_a_used_folder_is_refused_and_resume_false_starts_fresh(tmp_path):
+    workdir = tmp_path / "run"
+    train(load_config("sft", [*SMALL, f"--config.workdir={workdir}"]))
+    before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+    with pytest.raises(RunFolderError, match=r"(?s)different config:.*objective.name: 'sft' -> 'dpo'.*"
+                                             r"--config.train.resume=False"):
+        train(load_config("dpo", [*SMALL, f"--config.workdir={workdir}"]))
+    assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == before
+    summary = train(load_config("dpo", [*SMALL, f"--config.workdir={workdir}", "--config.train.resume=False"]))
+    [old] = workdir.glob("replaced-*")
+    assert (old / "checkpoints").is_dir()
+    assert json.loads((old / "config.json").read_text())["objective"]["name"] == "sft"
+    assert summary["step"] == 2 and json.loads((workdir / "config.json").read_text())["objective"]["name"] == "dpo"
+    train(load_config("dpo", [*SMALL, f"--config.workdir={workdir}", "--config.train.steps=4"]))  # steps may grow
+
+
+def test_evaluation_follows_the_users_data(tmp_path, capsys):
+    records = [{"prompt": f"Say {i}.", "completion": f"{i}"} for i in range(40)]
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = load_config("sft", [*SMALL, f"--config.workdir={tmp_path / 'run'}", f"--config.data.train={data}"])
+    assert config.data.eval == "" and "5% of each training file is held out" in capsys.readouterr().out
+    summary = train(config)
+    out = capsys.readouterr().out
+    assert "38 of 40 records usable, 2 held out for evaluation" in out
+    held = [json.loads(line) for line in (tmp_path / "run" / "data" / "eval_heldout_0.jsonl").read_text().splitlines()]
+    assert len(held) == 2 and all(r in records for r in held)
+    assert "loss" in summary["final_eval"] and "accuracy" not in summary["final_eval"]  # no answers: no exact match
+    assert "nll/token" in out.split("step 2/2")[1].splitlines()[0]  # the objective's headline metric
+    toy = load_config("sft", [*SMALL, f"--config.workdir={tmp_path / 'toy'}"])
+    assert toy.data.eval == "toy:arithmetic"
+
+
+def test_curves_draw_each_headline_metric_even_from_one_point(tmp_path):
+    from jaxalign.train.writers import plot_curves
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 1, "split": "train", "loss": 0.69, "rewards/margins": 0.1}) + "\n"
+                       + json.dumps({"step": 1, "split": "eval", "loss": 0.7, "rewards/accuracies": 0.5}) + "\n")
+    out = plot_curves(metrics, tmp_path / "curves.png", "dpo", metrics=("loss", "rewards/margins",
+                                                                          "rewards/accuracies"))
+    assert out.stat().st_size > 10_000

@@ -63,8 +63,8 @@ PREFERENCE_PROMPT_LENGTH = 512
 
 def for_pretrained(config, user_fields: set[str]) -> list[str]:
     """Turns a toy config (``tokenizer="toy"``) whose ``model.path`` the user set into one for that pretrained
-    model: its own tokenizer, TRL's learning rate / lengths / batch, and no toy eval next to the user's data, for
-    every field the user did not set (``user_fields``: dotted names). Returns a line per change, for the console."""
+    model: its own tokenizer and TRL's learning rate / lengths / batch, for every field the user did not set
+    (``user_fields``: dotted names). Returns a line per change, for the console."""
     if "model.path" not in user_fields or not config.model.path or config.tokenizer != "toy" or \
             "tokenizer" in user_fields:
         return []
@@ -72,8 +72,6 @@ def for_pretrained(config, user_fields: set[str]) -> list[str]:
     changes = {"tokenizer": "", "optim.lr": PRETRAINED_LR.get(name, 1e-6), **PRETRAINED_FIELDS}
     if name in ("dpo", "simpo", "orpo", "mpo"):
         changes["data.max_prompt_length"] = PREFERENCE_PROMPT_LENGTH
-    if "data.train" in user_fields and "data.eval" not in user_fields and config.data.eval.startswith("toy:"):
-        changes["data.eval"] = ""
     notes = []
     for field, value in changes.items():
         if field in user_fields:
@@ -86,6 +84,18 @@ def for_pretrained(config, user_fields: set[str]) -> list[str]:
             notes.append(f"model.path is set: {field}={value!r} (was {node[leaf]!r}; set --config.{field} to choose)")
             node[leaf] = value
     return notes
+
+
+def follow_user_data(config, user_fields: set[str]) -> list[str]:
+    """With ``data.train`` set to the user's files and ``data.eval`` left at a toy source, evaluation follows the
+    user's data: ``data.eval=""``, so ``data.eval_fraction`` of each file is held out. Returns the console line."""
+    if "data.train" not in user_fields or "data.eval" in user_fields or not config.data.eval.startswith("toy:"):
+        return []
+    if all(source.startswith("toy:") for source in config.data.train.split(",") if source):
+        return []
+    was, config.data.eval = config.data.eval, ""
+    return [f"data.train is your data: data.eval='' (was {was!r}); {config.data.eval_fraction:.0%} of each training "
+            "file is held out for evaluation (set --config.data.eval or --config.data.eval_fraction to choose)"]
 
 
 PRESETS = {"tiny": tiny, "smollm2": smollm2, "llama3_8b": llama3_8b, "qwen25_7b": qwen25_7b}

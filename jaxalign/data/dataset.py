@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from jaxalign.data import sater
@@ -28,6 +28,7 @@ class DataReport:
     valid: int = 0
     errors: list[str] = dataclasses.field(default_factory=list)
     degenerate: int = 0  # SATER stage-I questions without a usable pair
+    held_out: int = 0  # records set aside for evaluation (``exclude``)
 
     @property
     def skipped(self) -> int:
@@ -37,6 +38,8 @@ class DataReport:
         text = f"{self.source}: {self.valid} of {self.total} records usable"
         if self.errors:
             text += f", {self.skipped} invalid skipped"
+        if self.held_out:
+            text += f", {self.held_out} held out for evaluation"
         if self.degenerate:
             text += f", {self.degenerate} SATER questions without a correct and an incorrect sample"
         return text
@@ -65,8 +68,9 @@ def _requested_kind(raw: Any, kind: str) -> str | None:
 
 
 def load_examples(path: str | os.PathLike, tok: Tokenizer, *, kind: str, on_invalid: str = "error",
-                  max_listed: int = 20) -> tuple[list[dict], DataReport]:
-    """Validates and tokenises every record of ``path`` for an objective needing ``kind`` examples.
+                  max_listed: int = 20, exclude: Collection[int] = ()) -> tuple[list[dict], DataReport]:
+    """Validates and tokenises every record of ``path`` for an objective needing ``kind`` examples, except the
+    record indices in ``exclude`` (held out for evaluation; errors still name the record's index in ``path``).
 
     ``on_invalid="error"`` reads the whole file, then raises ``DataError`` listing the first ``max_listed``
     problems (file, record index, field) and their total; ``"skip"`` drops them and counts them in the report.
@@ -78,6 +82,9 @@ def load_examples(path: str | os.PathLike, tok: Tokenizer, *, kind: str, on_inva
     examples = []
     for index, raw in read_records(path):
         report.total += 1
+        if index in exclude:
+            report.held_out += 1
+            continue
         try:
             if isinstance(raw, RecordError):
                 raise raw
@@ -104,7 +111,10 @@ def load_examples(path: str | os.PathLike, tok: Tokenizer, *, kind: str, on_inva
 
 
 def load_sources(paths: Sequence[str | os.PathLike], tok: Tokenizer, *, kind: str, on_invalid: str = "error",
-                 ) -> tuple[list[list[dict]], list[DataReport]]:
-    """``load_examples`` for several files: one example list and one report per file."""
-    loaded = [load_examples(path, tok, kind=kind, on_invalid=on_invalid) for path in paths]
+                 exclude: Sequence[Collection[int]] | None = None) -> tuple[list[list[dict]], list[DataReport]]:
+    """``load_examples`` for several files (``exclude``: held-out indices per file): one example list and one
+    report per file."""
+    exclude = exclude or [()] * len(paths)
+    loaded = [load_examples(path, tok, kind=kind, on_invalid=on_invalid, exclude=skip)
+              for path, skip in zip(paths, exclude, strict=True)]
     return [examples for examples, _ in loaded], [report for _, report in loaded]

@@ -11,6 +11,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jaxalign.hub import resolve_model
 from jaxalign.models.gguf import load_gguf
 from jaxalign.models.hf import CheckpointError, load_hf
 from jaxalign.models.llama import LlamaForCausalLM
@@ -33,9 +34,10 @@ def bundled_smollm2() -> Path | None:
 def load_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, mesh: Mesh | None = None,
                     rules: Rules | None = None, config_overrides: Mapping[str, Any] | None = None,
                     ) -> tuple[LlamaForCausalLM, Any]:
-    """(model, tokenizer) from a HF folder (tokenizer None if the folder has none) or a GGUF file."""
+    """(model, tokenizer) from a HF folder (tokenizer None if the folder has none), a GGUF file, or a Hub id
+    ``Org/Name[@revision]`` through the Hugging Face cache (``jaxalign.hub``)."""
     options = dict(dtype=dtype, mesh=mesh, rules=rules, config_overrides=config_overrides)
-    location = Path(path)
+    location = resolve_model(path)  # a Hub id (Org/Name[@revision]) becomes its cached snapshot folder
     if location.is_file() and location.suffix == ".gguf":
         return load_gguf(location, **options)
     if not location.exists():

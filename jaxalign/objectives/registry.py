@@ -21,7 +21,8 @@ class Objective:
 
     ``data_kind``: the examples it trains on (``sft``, ``preference``, ``mpo``); ``rows_per_example``: sequences
     per example in the forward pass (chosen + rejected; MPO: both languages); ``uses_reference``: needs a frozen
-    reference (unless its params say ``reference_free``); ``console``: metrics shown on the log line;
+    reference (unless its params say ``reference_free``); ``console``: the headline metrics, shown on the log
+    line and drawn in ``curves.png``;
     ``packing``: supports ``data.packing`` (``packing_note`` says why not)."""
 
     fn: Callable
@@ -38,13 +39,14 @@ PAIR_METRICS = ("loss", "rewards/margins", "rewards/accuracies")
 
 # in the order the docs and messages list them
 OBJECTIVES: dict[str, Objective] = {
-    "sft": Objective(sft.sft, sft.SFTParams, "sft", 1),
-    "ift": Objective(ift.ift, ift.IFTParams, "sft", 1, console=("loss", "ift/lambda")),
+    "sft": Objective(sft.sft, sft.SFTParams, "sft", 1, console=("loss", "nll/token")),
+    "ift": Objective(ift.ift, ift.IFTParams, "sft", 1, console=("loss", "nll/token", "ift/lambda")),
     "dpo": Objective(preference.dpo, preference.DPOParams, "preference", 2, uses_reference=True,
                      console=PAIR_METRICS),
     "simpo": Objective(preference.simpo, preference.SimPOParams, "preference", 2, console=PAIR_METRICS),
     "orpo": Objective(preference.orpo, preference.ORPOParams, "preference", 2, console=PAIR_METRICS),
-    "mpo": Objective(mpo.mpo, mpo.MPOParams, "mpo", 4, uses_reference=True, console=PAIR_METRICS, packing=False,
+    "mpo": Objective(mpo.mpo, mpo.MPOParams, "mpo", 4, uses_reference=True,
+                     console=("loss", "mpo/gap_loss", "rewards/accuracies"), packing=False,
                      packing_note="its preservation term pools hidden states per sequence"),
 }
 

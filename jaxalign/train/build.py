@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxalign.data.tokenize import TokenizeConfig, Tokenizer
+from jaxalign.hub import resolve_model
 from jaxalign.models import (
     LlamaConfig,
     RopeScaling,
@@ -75,7 +76,7 @@ def model_config(spec) -> LlamaConfig:
     """The architecture without any weights: from ``model.path`` (config.json or the GGUF header only), a known
     large preset, or the random model's ``model.shape``. Takes a ``ModelSpec``, ``RunSpec`` or config."""
     spec = _model_spec(spec)
-    path = Path(spec.path) if spec.path else None
+    path = resolve_model(spec.path) if spec.path else None
     if path is not None and path.exists():
         if path.suffix == ".gguf":
             from jaxalign.models.gguf import read_gguf_config

@@ -86,7 +86,11 @@ class NoSignals:
         return None
 
 
-class RunFolderBusy(RuntimeError):
+class RunFolderError(RuntimeError):
+    """The run folder cannot take this run (in use, or holding a different run); the message says what to do."""
+
+
+class RunFolderBusy(RunFolderError):
     """Another process is training into the same run folder."""
 
 
@@ -122,3 +126,72 @@ class RunLock:
                 fcntl.flock(self._handle, fcntl.LOCK_UN)
             self._handle.close()
             self._handle = None
+
+
+# What makes a checkpoint this run's: a resumed run must agree on these (train.steps, logging, eval, the mesh and
+# the processes may change between a run and its resume).
+SAME_RUN_FIELDS = ("seed", "tokenizer", "model.", "data.", "objective.", "reference.kind", "lora.", "optim.",
+                   "train.batch_size", "train.grad_accum")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "tensorboard", "curves.png", "config.json",
+             "model_config.json", "tokenizer", "data")
+
+
+def has_checkpoints(workdir: Path) -> bool:
+    folder = Path(workdir) / "checkpoints"
+    return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
+
+
+def _flat(values: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def differences(saved: dict, new: dict) -> list[str]:
+    """``field: saved -> new`` for the ``SAME_RUN_FIELDS`` two effective configs disagree on."""
+    old, now = _flat(saved), _flat(new)
+    fields = sorted(f for f in set(old) | set(now)
+                    if f.startswith(SAME_RUN_FIELDS) or f in SAME_RUN_FIELDS)
+    return [f"{f}: {old.get(f)!r} -> {now.get(f)!r}" for f in fields if old.get(f) != now.get(f)]
+
+
+def check_resumable(workdir: Path, effective: dict) -> None:
+    """Refuses to resume a run folder whose checkpoints were trained with a different config (``effective``: the
+    new run's ``effective_config``)."""
+    saved = Path(workdir) / "config.json"
+    if not (has_checkpoints(workdir) and saved.exists()):
+        return
+    from jaxalign.train.config import load_config
+    from jaxalign.train.spec import RunSpec, effective_config
+
+    previous = load_config(str(saved))
+    changed = differences(effective_config(previous, RunSpec.from_config(previous, check=False)), effective)
+    if changed:
+        shown = "\n  - ".join(changed[:10]) + (f"\n  - ... and {len(changed) - 10} more" if len(changed) > 10 else "")
+        raise RunFolderError(
+            f"{workdir} holds a run trained with a different config:\n  - {shown}\nTo resume that run, rerun it with "
+            f"its own config (--config {saved}); to start fresh in this folder, add --config.train.resume=False "
+            "(the old run moves to a replaced-* folder inside it); or give another --config.workdir.")
+
+
+def retire(workdir: Path) -> Path | None:
+    """Moves a previous run's files into ``workdir/replaced-<UTC time>/`` (train.resume=False in a used folder:
+    nothing is deleted); returns that folder, or None when there was nothing to move."""
+    import time
+
+    present = [name for name in RUN_FILES if (Path(workdir) / name).exists()]
+    if not present or not has_checkpoints(workdir):
+        return None
+    target = Path(workdir) / time.strftime("replaced-%Y%m%d-%H%M%S", time.gmtime())
+    suffix = 0
+    while target.exists():
+        suffix += 1
+        target = target.with_name(f"{target.name.split('.')[0]}.{suffix}")
+    target.mkdir()
+    for name in present:
+        (Path(workdir) / name).replace(target / name)
+    return target

@@ -81,9 +81,10 @@ def load_config(spec: str = "default", overrides: Sequence[str] = ()) -> ml_coll
     config = module.get_config(arg or None)
     for override in overrides:
         apply_override(config, override)
-    from jaxalign.configs.presets import for_pretrained
+    from jaxalign.configs.presets import follow_user_data, for_pretrained
 
-    for note in for_pretrained(config, {_field_of(o) for o in overrides}):
+    user_fields = {_field_of(o) for o in overrides}
+    for note in [*for_pretrained(config, user_fields), *follow_user_data(config, user_fields)]:
         print(note, flush=True)
     return config
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jaxalign.hub import is_repo_id
 from jaxalign.models import lora, save_hf
 from jaxalign.train.build import restore_model, run_dir_of, run_spec_of
 
@@ -35,4 +36,5 @@ def export(checkpoint: str | Path, out: str | Path, *, adapter: bool = False) ->
     if not base_path:
         base_path = str((out / "base").resolve())
         save_hf(lora.without_adapters(model), base_path, tokenizer=tokenizer)
-    return lora.save_peft(model, lora_config, out, base_model=str(Path(base_path).resolve()), tokenizer=tokenizer)
+    base_model = base_path if is_repo_id(base_path) else str(Path(base_path).resolve())
+    return lora.save_peft(model, lora_config, out, base_model=base_model, tokenizer=tokenizer)

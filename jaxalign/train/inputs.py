@@ -20,13 +20,29 @@ import numpy as np
 from jaxalign.data import DataPipeline, PipelineConfig, load_sources
 from jaxalign.data.sources import read_records
 from jaxalign.data.toy import GENERATORS, write_jsonl
+from jaxalign.hub import resolve_dataset
 from jaxalign.train import reference_cache
 from jaxalign.train.spec import RunSpec, path_inside
 
+HELD_OUT_MIN_RECORDS = 20  # a file this small gives no held-out split
+HELD_OUT_MAX = 500
 
-def materialise_data(spec: RunSpec, workdir: Path) -> tuple[list[str], list[str]]:
-    """Paths of the training and eval files; ``toy:NAME`` sources are generated into ``workdir/data`` (``workdir``:
-    the run folder or a staging folder) with the eval questions held out of the training file."""
+
+def held_out_indices(path: str, fraction: float, seed: int) -> list[int]:
+    """Record indices of ``path`` set aside for evaluation: ``fraction`` of them (at least one, at most
+    ``HELD_OUT_MAX``; none for files under ``HELD_OUT_MIN_RECORDS`` records), drawn from ``seed``."""
+    indices = [index for index, _ in read_records(path)]
+    if fraction <= 0 or len(indices) < HELD_OUT_MIN_RECORDS:
+        return []
+    count = min(max(round(fraction * len(indices)), 1), HELD_OUT_MAX)
+    return sorted(np.random.default_rng(seed).choice(indices, count, replace=False).tolist())
+
+
+def materialise_data(spec: RunSpec, workdir: Path) -> tuple[list[str], list[str], list[list[int]]]:
+    """(training files, eval files, held-out record indices per training file). ``toy:NAME`` sources are
+    generated into ``workdir/data`` (``workdir``: the run folder or a staging folder) with the eval questions held
+    out of the training file; with ``data.eval`` empty, ``data.eval_fraction`` of each training file is held out
+    and written as ``data/eval_heldout_<i>.jsonl``."""
     data = spec.data
 
     def toy_records(name: str, n: int, seed: int) -> list[dict]:
@@ -40,20 +56,38 @@ def materialise_data(spec: RunSpec, workdir: Path) -> tuple[list[str], list[str]
 
     eval_paths, held_out = [], set()
     for source in filter(None, data.eval.split(",")):
+        if source.startswith("hf:"):
+            continue  # resolved below
         if source.startswith("toy:"):
             records = toy_records(source[4:], data.toy_eval_size, spec.seed + 1000)
             held_out |= {question(r) for r in records}
             source = str(write_jsonl(records, workdir / "data" / f"eval_{source[4:]}.jsonl"))
         eval_paths.append(source)
-    train_paths = []
-    for source in filter(None, data.train.split(",")):
+    train_sources = [str(path) if source.startswith("hf:") else source
+                     for source in filter(None, data.train.split(","))
+                     for path in (resolve_dataset(source) if source.startswith("hf:") else [source])]
+    if data.weights and len(train_sources) != len([s for s in data.train.split(",") if s]):
+        raise ValueError(f"data.weights={data.weights!r}: an hf: source of data.train has several data files "
+                         f"({len(train_sources)} files in all); give one weight per file or drop data.weights")
+    eval_paths += [str(path) for source in filter(None, data.eval.split(",")) if source.startswith("hf:")
+                   for path in resolve_dataset(source)]
+    train_paths, exclude = [], []
+    for i, source in enumerate(train_sources):
+        skip: list[int] = []
         if source.startswith("toy:"):
             records = [r for r in toy_records(source[4:], data.toy_size, spec.seed) if question(r) not in held_out]
             source = str(write_jsonl(records, workdir / "data" / f"train_{source[4:]}.jsonl"))
+        elif not data.eval:
+            skip = held_out_indices(source, data.eval_fraction, spec.seed + 2000 + i)
+            if skip:
+                chosen = set(skip)
+                records = [r for index, r in read_records(source) if index in chosen and isinstance(r, dict)]
+                eval_paths.append(str(write_jsonl(records, workdir / "data" / f"eval_heldout_{i}.jsonl")))
         train_paths.append(source)
+        exclude.append(skip)
     if not train_paths:
         raise ValueError("data.train is empty: give one or more files (comma-separated) or toy:NAME")
-    return train_paths, eval_paths
+    return train_paths, eval_paths, exclude
 
 
 @dataclasses.dataclass
@@ -79,8 +113,9 @@ def load_inputs(spec: RunSpec, engine, workdir: Path, log: Callable[[str], None]
 
 def _load(spec: RunSpec, engine, workdir: Path, staging: Path, log: Callable[[str], None]) -> Inputs:
     data, kind = spec.data, engine.objective.data_kind
-    train_paths, eval_paths = materialise_data(spec, staging)
-    sources, reports = load_sources(train_paths, engine.tokenizer, kind=kind, on_invalid=data.on_invalid)
+    train_paths, eval_paths, exclude = materialise_data(spec, staging)
+    sources, reports = load_sources(train_paths, engine.tokenizer, kind=kind, on_invalid=data.on_invalid,
+                                    exclude=exclude)
     for report in reports:
         log(f"data: {report.summary().replace(str(staging), str(workdir))}")
     eval_sources = load_sources(eval_paths, engine.tokenizer, kind=kind, on_invalid="skip")[0] if eval_paths else []

@@ -25,7 +25,7 @@ from jaxalign.train.build import Engine, build, run_mesh, write_model_config
 from jaxalign.train.evaluate import evaluate, reduce
 from jaxalign.train.inputs import Inputs, Prefetcher, load_inputs
 from jaxalign.train.spec import RunSpec, effective_config, validate
-from jaxalign.train.writers import MetricWriter, plot_curves, progress_bar, write_summary
+from jaxalign.train.writers import MetricWriter, console_line, plot_curves, progress_bar, show, write_summary
 
 
 def log(message: str) -> None:
@@ -71,6 +71,8 @@ def setup(config: ml_collections.ConfigDict, spec: RunSpec) -> Run:
     engine = build(spec, mesh, log=log)
     inputs = load_inputs(spec, engine, workdir, log)
     effective = effective_config(config, spec)
+    if jax.process_index() == 0 and not spec.train.resume and (old := checkpoints.retire(workdir)):
+        log(f"train.resume=False: the previous run in {workdir} moved to {old}")
     if jax.process_index() == 0:
         (workdir / "config.json").write_text(json.dumps(effective, indent=2))
         engine.hf_tokenizer.save_pretrained(str(workdir / "tokenizer"))
@@ -107,18 +109,12 @@ def report_skips(run: Run, counts: list, seen: int) -> int:
 
 
 def log_window(run: Run, window: dict, tokens: int, started: float, progress) -> None:
-    cfg, headline = run.spec.train, run.engine.objective.console
     values = reduce(window)
     elapsed = time.time() - started
     values["tokens_per_s"] = tokens / max(elapsed, 1e-9) * jax.process_count()
     run.writer.write(run.step, values, "train")
-    shown = "".join(f" {name} {values[name]:.4f}" for name in headline if name in values)
-    line = (f"step {run.step}/{cfg.steps}{shown} tokens/s {values['tokens_per_s']:.0f} "
-            f"ETA {(cfg.steps - run.step) * elapsed / max(cfg.log_every, 1):.0f}s")
-    if progress is not None:
-        progress.set_postfix_str(line.split(" ", 2)[2])
-    else:
-        log(line)
+    eta = (run.spec.train.steps - run.step) * elapsed / max(run.spec.train.log_every, 1)
+    show(console_line(run.step, run.spec.train.steps, values, run.engine.objective.console, eta), progress, log)
 
 
 def run_steps(run: Run, stop) -> str | None:
@@ -163,8 +159,8 @@ def summarise(run: Run, initial_eval: dict | None, start_time: float) -> dict[st
     run.writer.close()
     plot = None
     if run.spec.logging.plot and jax.process_index() == 0:
-        plot = plot_curves(run.workdir / "metrics.jsonl", run.workdir / "curves.png",
-                           title=f"{run.spec.objective.name} — {run.workdir.name}")
+        plot = plot_curves(run.workdir / "metrics.jsonl", run.workdir / "curves.png", f"{run.spec.objective.name} — "
+                           f"{run.workdir.name}", metrics=run.engine.objective.console)
     return write_summary(run.workdir, {
         "step": run.step, "workdir": str(run.workdir), "metrics": str(run.workdir / "metrics.jsonl"),
         "checkpoints": str(run.workdir / "checkpoints"), "plot": str(plot) if plot else None,
@@ -183,6 +179,8 @@ def train(config: ml_collections.ConfigDict, *, stop_on_signals: bool = False) -
     lock = checkpoints.RunLock(Path(spec.workdir)) if jax.process_index() == 0 else contextlib.nullcontext()
     signals = checkpoints.StopSignals() if stop_on_signals else checkpoints.NoSignals()
     with lock:
+        if spec.train.resume:
+            checkpoints.check_resumable(Path(spec.workdir), effective_config(config, spec))
         return _train(setup(config, spec), signals, start_time)
 
 

@@ -21,6 +21,7 @@ import jax
 import ml_collections
 
 from jaxalign.data.tokenize import TRUNCATIONS, TokenizeConfig
+from jaxalign.hub import is_repo_id
 from jaxalign.models.lora import TARGETS as LORA_TARGETS
 from jaxalign.models.lora import LoRAConfig
 from jaxalign.objectives import OBJECTIVES, Objective, make_params
@@ -84,8 +85,9 @@ class ModelSpec:
                             "`jaxalign plan`); set model.path to the downloaded Hugging Face folder to train")
         if not self.path and not self.tokenizer:
             problems.append("a randomly initialised model needs tokenizer='toy' or a tokenizer folder")
-        if self.path and not Path(self.path).exists():
-            problems.append(f"model.path={self.path!r} does not exist")
+        if self.path and not Path(self.path).exists() and not is_repo_id(self.path):
+            problems.append(f"model.path={self.path!r} does not exist (give a local folder or .gguf file, or a "
+                            "Hugging Face Hub id ORG/NAME[@REVISION])")
         if self.remat_policy not in ("nothing", "dots", "dots_no_batch"):
             problems.append(f"model.remat_policy={self.remat_policy!r}; choose nothing, dots or dots_no_batch")
         return problems
@@ -95,6 +97,7 @@ class ModelSpec:
 class DataSpec:
     train: str = "toy:arithmetic"
     eval: str = "toy:arithmetic"
+    eval_fraction: float = 0.05
     weights: str = ""
     toy_size: int = 4000
     toy_eval_size: int = 200
@@ -122,6 +125,8 @@ class DataSpec:
             problems.append(f"data.on_invalid={self.on_invalid!r}; choose 'error' or 'skip'")
         if self.truncation not in TRUNCATIONS:
             problems.append(f"data.truncation={self.truncation!r}; choose one of {', '.join(TRUNCATIONS)}")
+        if not 0 <= self.eval_fraction < 0.5:
+            problems.append(f"data.eval_fraction={self.eval_fraction} must be in [0, 0.5) (0 = no held-out split)")
         if self.max_length < 2:
             problems.append(f"data.max_length={self.max_length} must be at least 2")
         if not any(self.train.split(",")):

@@ -62,6 +62,21 @@ def progress_bar(total: int, initial: int):
     return tqdm(total=total, initial=initial, dynamic_ncols=True)
 
 
+def console_line(step: int, steps: int, values: dict[str, float], headline: tuple[str, ...], eta: float) -> str:
+    """``step 25/600 loss 0.6931 rewards/margins 0.0123 ... tokens/s 1234 ETA 40s`` (the objective's headline
+    metrics, from the registry)."""
+    shown = "".join(f" {name} {values[name]:.4f}" for name in headline if name in values)
+    return f"step {step}/{steps}{shown} tokens/s {values['tokens_per_s']:.0f} ETA {eta:.0f}s"
+
+
+def show(line: str, progress, log) -> None:
+    """On the progress bar when there is one (the part after the step), else as a log line."""
+    if progress is not None:
+        progress.set_postfix_str(line.split(" ", 2)[2])
+    else:
+        log(line)
+
+
 def write_summary(workdir: str | Path, summary: dict) -> dict:
     """``summary.json`` in the run folder (process 0); returns ``summary``."""
     if jax.process_index() == 0:
@@ -76,35 +91,39 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_curves(metrics_path: str | Path, out: str | Path, title: str = "") -> Path:
-    """Training and eval loss, and exact-match accuracy when present, against step."""
+def plot_curves(metrics_path: str | Path, out: str | Path, title: str = "", metrics: tuple[str, ...] = ("loss",),
+                ) -> Path:
+    """One panel per headline metric (``metrics``: the objective's, from the registry; train and eval), and one
+    for held-out exact-match accuracy when present, against step. Every point is marked, so a run with one log
+    step still shows its curve."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics_path)
-    train = [r for r in rows if r["split"] == "train" and "loss" in r]
+    train = [r for r in rows if r["split"] == "train"]
     evals = [r for r in rows if r["split"] == "eval"]
-    has_accuracy = any("accuracy" in r for r in evals)
-    fig, axes = plt.subplots(1, 2 if has_accuracy else 1, figsize=(11 if has_accuracy else 6, 4), squeeze=False)
-    ax = axes[0][0]
-    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
-    if any("loss" in r for r in evals):
-        ax.plot([r["step"] for r in evals if "loss" in r], [r["loss"] for r in evals if "loss" in r], "o-",
-                label="eval loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    if has_accuracy:
-        ax = axes[0][1]
-        points = [r for r in evals if "accuracy" in r]
-        ax.plot([r["step"] for r in points], [100 * r["accuracy"] for r in points], "o-", color="tab:green")
+    panels = [name for name in dict.fromkeys(("loss", *metrics)) if any(name in r for r in rows)]
+    if any("accuracy" in r for r in evals):
+        panels.append("accuracy")
+    columns = min(len(panels), 3) or 1
+    lines = -(-len(panels) // columns) or 1
+    fig, axes = plt.subplots(lines, columns, figsize=(4.6 * columns, 3.6 * lines), squeeze=False)
+    for ax, name in zip(axes.flat, panels, strict=False):
+        scale = 100 if name == "accuracy" else 1
+        for split, points, style in (("train", train, ".-"), ("eval", evals, "o-")):
+            points = [r for r in points if name in r]
+            if points:
+                ax.plot([r["step"] for r in points], [scale * r[name] for r in points], style, label=split)
         ax.set_xlabel("step")
-        ax.set_ylabel("held-out exact match (%)")
-        ax.set_ylim(0, 100)
+        ax.set_ylabel("held-out exact match (%)" if name == "accuracy" else name)
+        if name == "accuracy":
+            ax.set_ylim(0, 100)
+        ax.legend()
         ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
