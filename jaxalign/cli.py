@@ -298,6 +298,10 @@ def cmd_export(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    if args.lm_eval:
+        return _lm_eval(args)
+    if not args.checkpoint or not args.data:
+        raise ValueError("give --checkpoint and --data (exact match), or --lm-eval TASKS with --model or --checkpoint")
     from jaxalign.data.sources import read_records
     from jaxalign.train.build import restore_model
     from jaxalign.train.evaluate import exact_match
@@ -306,6 +310,25 @@ def cmd_eval(args) -> int:
     records = [r for _, r in read_records(args.data) if isinstance(r, dict)][: args.n]
     accuracy = exact_match(model, tokenizer, records, max_new_tokens=args.max_new_tokens)
     print(json.dumps({"checkpoint_step": step, "records": len(records), "exact_match": accuracy}))
+    return 0
+
+
+def _lm_eval(args) -> int:
+    try:
+        from jaxalign.harness import evaluate
+    except ImportError as err:
+        raise ValueError(f"--lm-eval needs the lm-evaluation-harness: pip install lm_eval==0.4.13 ({err})") from None
+    model, tokenizer = _load_any(args.checkpoint or str(_model_path(args.model)))
+    results = evaluate(model, tokenizer, [t for t in args.lm_eval.split(",") if t], include_path=args.include_path,
+                       limit=args.limit, num_fewshot=args.num_fewshot, batch_size=args.batch_size,
+                       max_length=args.max_length)
+    from lm_eval.utils import make_table
+
+    print(make_table(results))
+    if args.out:
+        Path(args.out).write_text(json.dumps({k: results[k] for k in ("results", "versions", "n-shot", "config")
+                                              if k in results}, indent=2, default=str))
+        print(f"wrote {args.out}")
     return 0
 
 
@@ -379,9 +402,23 @@ def build_parser() -> argparse.ArgumentParser:
                     help="LoRA runs: write a PEFT adapter folder instead of weights with the adapters merged in")
     ex.set_defaults(func=cmd_export)
 
-    ev = commands.add_parser("eval", help="exact-match accuracy of a run's checkpoint on records with 'answer'")
-    ev.add_argument("--checkpoint", required=True)
-    ev.add_argument("--data", required=True, help="JSONL/JSON/Parquet with prompts and an 'answer' field")
+    ev = commands.add_parser("eval", help="exact-match accuracy on records with 'answer', or lm-evaluation-harness "
+                                          "tasks (--lm-eval)",
+                             description="Exact match of a run's greedy answers (--checkpoint, --data), or "
+                                         "lm-evaluation-harness tasks on any model (--lm-eval hellaswag,arc_easy "
+                                         "--model PATH_OR_HUB_ID; --include-path for your own task YAML files).")
+    ev.add_argument("--checkpoint", help="run folder (latest checkpoint) or checkpoints/STEP")
+    ev.add_argument("--data", help="JSONL/JSON/Parquet with prompts and an 'answer' field")
+    ev.add_argument("--lm-eval", help="comma-separated lm-evaluation-harness task names")
+    ev.add_argument("--model", help="with --lm-eval: run folder, HF folder, Hub id or .gguf (default: --checkpoint, "
+                                    "else the bundled SmolLM2)")
+    ev.add_argument("--include-path", help="with --lm-eval: a folder of task YAML files")
+    ev.add_argument("--limit", type=float, help="with --lm-eval: documents per task (or a fraction)")
+    ev.add_argument("--num-fewshot", type=int)
+    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--max-length", type=int, help="with --lm-eval: tokens per scored window (default: the model's, "
+                                                   "at most 4096)")
+    ev.add_argument("--out", help="with --lm-eval: write the results as JSON here")
     ev.add_argument("--n", type=int, default=500)
     ev.add_argument("--max-new-tokens", type=int, default=16)
     ev.set_defaults(func=cmd_eval)

@@ -55,8 +55,9 @@ def test_a_failed_start_leaves_an_existing_run_folder_byte_identical(tmp_path):
     before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "hi"}\n')
-    with pytest.raises(DataError, match=r"bad\.jsonl"):
-        train(load_config("dpo", [*SMALL, f"--config.workdir={workdir}", f"--config.data.train={bad}"]))
+    with pytest.raises(DataError, match=r"bad\.jsonl"):  # a fresh start (resume=False) that fails on its data
+        train(load_config("dpo", [*SMALL, f"--config.workdir={workdir}", f"--config.data.train={bad}",
+                                  "--config.train.resume=False"]))
     after = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
     assert after == before
 
@@ -95,12 +96,13 @@ def test_evaluation_follows_the_users_data(tmp_path, capsys):
     data = tmp_path / "mine.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     config = load_config("sft", [*SMALL, f"--config.workdir={tmp_path / 'run'}", f"--config.data.train={data}"])
-    assert config.data.eval == "" and "5% of each training file is held out" in capsys.readouterr().out
+    assert config.data.eval == "" and "5% of each training file (at least one batch) is held out" in (
+        capsys.readouterr().out)
     summary = train(config)
     out = capsys.readouterr().out
-    assert "38 of 40 records usable, 2 held out for evaluation" in out
+    assert "32 of 40 records usable, 8 held out for evaluation" in out  # 5 %, but at least one eval batch
     held = [json.loads(line) for line in (tmp_path / "run" / "data" / "eval_heldout_0.jsonl").read_text().splitlines()]
-    assert len(held) == 2 and all(r in records for r in held)
+    assert len(held) == 8 and all(r in records for r in held)
     assert "loss" in summary["final_eval"] and "accuracy" not in summary["final_eval"]  # no answers: no exact match
     assert "nll/token" in out.split("step 2/2")[1].splitlines()[0]  # the objective's headline metric
     toy = load_config("sft", [*SMALL, f"--config.workdir={tmp_path / 'toy'}"])

@@ -86,16 +86,23 @@ def for_pretrained(config, user_fields: set[str]) -> list[str]:
     return notes
 
 
+USER_EVAL_FRACTION = 0.05
+
+
 def follow_user_data(config, user_fields: set[str]) -> list[str]:
     """With ``data.train`` set to the user's files and ``data.eval`` left at a toy source, evaluation follows the
-    user's data: ``data.eval=""``, so ``data.eval_fraction`` of each file is held out. Returns the console line."""
+    user's data: ``data.eval=""`` and ``data.eval_fraction=0.05`` (unless set), so a share of each training file
+    is held out. Returns the console line."""
     if "data.train" not in user_fields or "data.eval" in user_fields or not config.data.eval.startswith("toy:"):
         return []
     if all(source.startswith("toy:") for source in config.data.train.split(",") if source):
         return []
     was, config.data.eval = config.data.eval, ""
+    if "data.eval_fraction" not in user_fields:
+        config.data.eval_fraction = USER_EVAL_FRACTION
     return [f"data.train is your data: data.eval='' (was {was!r}); {config.data.eval_fraction:.0%} of each training "
-            "file is held out for evaluation (set --config.data.eval or --config.data.eval_fraction to choose)"]
+            "file (at least one batch) is held out for evaluation (set --config.data.eval or "
+            "--config.data.eval_fraction to choose)"]
 
 
 PRESETS = {"tiny": tiny, "smollm2": smollm2, "llama3_8b": llama3_8b, "qwen25_7b": qwen25_7b}

@@ -29,7 +29,7 @@ HELP: dict[str, str] = {
     "model.shape.num_kv_heads": "random model: key/value heads (grouped-query attention)",
     "data.train": "training files (comma-separated JSONL / JSON / Parquet / datasets folders) or toy:NAME",
     "data.eval": "held-out files of the same kind, or toy:NAME; empty = data.eval_fraction of data.train",
-    "data.eval_fraction": "with data.eval empty: share of each training file (20+ records) held out for eval",
+    "data.eval_fraction": "with data.eval empty: share of each training file held out for eval (>= one batch)",
     "data.weights": "mixture weights, one per data.train file (empty = by size)",
     "data.toy_size": "records generated for a toy:NAME training source",
     "data.toy_eval_size": "records generated for a toy:NAME eval source (held out of the training file)",

@@ -24,17 +24,17 @@ from jaxalign.hub import resolve_dataset
 from jaxalign.train import reference_cache
 from jaxalign.train.spec import RunSpec, path_inside
 
-HELD_OUT_MIN_RECORDS = 20  # a file this small gives no held-out split
 HELD_OUT_MAX = 500
 
 
-def held_out_indices(path: str, fraction: float, seed: int) -> list[int]:
-    """Record indices of ``path`` set aside for evaluation: ``fraction`` of them (at least one, at most
-    ``HELD_OUT_MAX``; none for files under ``HELD_OUT_MIN_RECORDS`` records), drawn from ``seed``."""
+def held_out_indices(path: str, fraction: float, seed: int, batch_size: int) -> list[int]:
+    """Record indices of ``path`` set aside for evaluation: ``fraction`` of them, at least one batch (the eval
+    pipeline's) and at most ``HELD_OUT_MAX``, drawn from ``seed``; none when fewer than two batches would be left
+    for training."""
     indices = [index for index, _ in read_records(path)]
-    if fraction <= 0 or len(indices) < HELD_OUT_MIN_RECORDS:
+    count = min(max(round(fraction * len(indices)), batch_size), HELD_OUT_MAX)
+    if fraction <= 0 or len(indices) - count < batch_size:
         return []
-    count = min(max(round(fraction * len(indices)), 1), HELD_OUT_MAX)
     return sorted(np.random.default_rng(seed).choice(indices, count, replace=False).tolist())
 
 
@@ -42,7 +42,7 @@ def materialise_data(spec: RunSpec, workdir: Path) -> tuple[list[str], list[str]
     """(training files, eval files, held-out record indices per training file). ``toy:NAME`` sources are
     generated into ``workdir/data`` (``workdir``: the run folder or a staging folder) with the eval questions held
     out of the training file; with ``data.eval`` empty, ``data.eval_fraction`` of each training file is held out
-    and written as ``data/eval_heldout_<i>.jsonl``."""
+    (``held_out_indices``) and written as ``data/eval_heldout_<i>.jsonl``."""
     data = spec.data
 
     def toy_records(name: str, n: int, seed: int) -> list[dict]:
@@ -78,7 +78,7 @@ def materialise_data(spec: RunSpec, workdir: Path) -> tuple[list[str], list[str]
             records = [r for r in toy_records(source[4:], data.toy_size, spec.seed) if question(r) not in held_out]
             source = str(write_jsonl(records, workdir / "data" / f"train_{source[4:]}.jsonl"))
         elif not data.eval:
-            skip = held_out_indices(source, data.eval_fraction, spec.seed + 2000 + i)
+            skip = held_out_indices(source, data.eval_fraction, spec.seed + 2000 + i, spec.train.batch_size)
             if skip:
                 chosen = set(skip)
                 records = [r for index, r in read_records(source) if index in chosen and isinstance(r, dict)]

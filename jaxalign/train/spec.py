@@ -97,7 +97,7 @@ class ModelSpec:
 class DataSpec:
     train: str = "toy:arithmetic"
     eval: str = "toy:arithmetic"
-    eval_fraction: float = 0.05
+    eval_fraction: float = 0.0
     weights: str = ""
     toy_size: int = 4000
     toy_eval_size: int = 200
