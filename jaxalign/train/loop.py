@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -20,12 +19,12 @@ import jax.numpy as jnp
 import ml_collections
 
 from jaxalign.parallel import distributed
-from jaxalign.train import checkpoints
-from jaxalign.train.build import Engine, build, run_mesh, write_model_config
+from jaxalign.train import checkpoints, writers
+from jaxalign.train.build import Engine, build, run_mesh
 from jaxalign.train.evaluate import evaluate, reduce
 from jaxalign.train.inputs import Inputs, Prefetcher, load_inputs
 from jaxalign.train.spec import RunSpec, effective_config, validate
-from jaxalign.train.writers import MetricWriter, console_line, plot_curves, progress_bar, show, write_summary
+from jaxalign.train.writers import MetricWriter
 
 
 def log(message: str) -> None:
@@ -49,13 +48,16 @@ class Run:
     writer: MetricWriter
     step: int = 0  # host copy of state.step
     data_state: dict | None = None  # the pipeline's position after the last batch a step consumed
+    eval_seconds: float = 0.0
 
     def save(self, *, wait: bool = False) -> None:
         meta = {"data": self.data_state or self.inputs.pipeline.state(), "objective": self.spec.objective.name}
         checkpoints.save(self.manager, self.engine.state, self.step, meta, wait=wait)
 
     def evaluate(self, step: int) -> dict[str, float]:
+        started = time.time()
         values = evaluate(self.engine, self.inputs, self.engine.eval_step)
+        self.eval_seconds += time.time() - started
         if values:
             self.writer.write(step, values, "eval")
             log(f"step {step} eval: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
@@ -73,10 +75,7 @@ def setup(config: ml_collections.ConfigDict, spec: RunSpec) -> Run:
     effective = effective_config(config, spec)
     if jax.process_index() == 0 and not spec.train.resume and (old := checkpoints.retire(workdir)):
         log(f"train.resume=False: the previous run in {workdir} moved to {old}")
-    if jax.process_index() == 0:
-        (workdir / "config.json").write_text(json.dumps(effective, indent=2))
-        engine.hf_tokenizer.save_pretrained(str(workdir / "tokenizer"))
-        write_model_config(workdir, engine.model_config)
+    writers.write_run_files(workdir, effective, engine.hf_tokenizer, engine.model_config)
     writer = MetricWriter(workdir, tensorboard=spec.logging.tensorboard, wandb=spec.logging.wandb,
                           wandb_project=spec.logging.wandb_project, config=effective)
     return Run(spec, workdir, engine, inputs, checkpoints.manager(workdir, spec.train.keep_checkpoints), writer)
@@ -114,13 +113,14 @@ def log_window(run: Run, window: dict, tokens: int, started: float, progress) ->
     values["tokens_per_s"] = tokens / max(elapsed, 1e-9) * jax.process_count()
     run.writer.write(run.step, values, "train")
     eta = (run.spec.train.steps - run.step) * elapsed / max(run.spec.train.log_every, 1)
-    show(console_line(run.step, run.spec.train.steps, values, run.engine.objective.console, eta), progress, log)
+    line = writers.console_line(run.step, run.spec.train.steps, values, run.engine.objective.console, eta)
+    writers.show(line, progress, log)
 
 
 def run_steps(run: Run, stop) -> str | None:
     """Trains from ``run.step`` to ``train.steps``; returns the signal's name if one stopped it."""
     cfg, engine = run.spec.train, run.engine
-    progress = progress_bar(cfg.steps, run.step) if run.spec.logging.progress else None
+    progress = writers.progress_bar(cfg.steps, run.step) if run.spec.logging.progress else None
     step_fn, frozen = engine.train_step, (() if engine.frozen is None else (engine.frozen,))
     skipped = int(engine.state.skipped)
     window, counts, tokens, started = {}, [], 0, time.time()
@@ -159,14 +159,16 @@ def summarise(run: Run, initial_eval: dict | None, start_time: float) -> dict[st
     run.writer.close()
     plot = None
     if run.spec.logging.plot and jax.process_index() == 0:
-        plot = plot_curves(run.workdir / "metrics.jsonl", run.workdir / "curves.png", f"{run.spec.objective.name} — "
-                           f"{run.workdir.name}", metrics=run.engine.objective.console)
-    return write_summary(run.workdir, {
+        title = f"{run.spec.objective.name} — {run.workdir.name}"
+        plot = writers.plot_curves(run.workdir / "metrics.jsonl", run.workdir / "curves.png", title,
+                                   metrics=run.engine.objective.console)
+    return writers.write_summary(run.workdir, {
         "step": run.step, "workdir": str(run.workdir), "metrics": str(run.workdir / "metrics.jsonl"),
         "checkpoints": str(run.workdir / "checkpoints"), "plot": str(plot) if plot else None,
         "tensorboard": str(run.workdir / "tensorboard") if run.spec.logging.tensorboard else None,
         "initial_eval": initial_eval, "final_eval": final_eval, "skipped_updates": int(run.engine.state.skipped),
-        "reference_cache": run.inputs.reference_cache, "seconds": round(time.time() - start_time, 1)})
+        "reference_cache": run.inputs.reference_cache, "seconds": round(time.time() - start_time, 1),
+        "eval_seconds": round(run.eval_seconds, 1)})
 
 
 def train(config: ml_collections.ConfigDict, *, stop_on_signals: bool = False) -> dict[str, Any]:

@@ -77,6 +77,18 @@ def show(line: str, progress, log) -> None:
         log(line)
 
 
+def write_run_files(workdir: str | Path, effective: dict, hf_tokenizer, model_config) -> None:
+    """What a run folder says about its run (process 0): ``config.json`` (every effective value), ``tokenizer/``
+    and ``model_config.json``."""
+    if jax.process_index() != 0:
+        return
+    from jaxalign.train.build import write_model_config
+
+    (Path(workdir) / "config.json").write_text(json.dumps(effective, indent=2))
+    hf_tokenizer.save_pretrained(str(Path(workdir) / "tokenizer"))
+    write_model_config(Path(workdir), model_config)
+
+
 def write_summary(workdir: str | Path, summary: dict) -> dict:
     """``summary.json`` in the run folder (process 0); returns ``summary``."""
     if jax.process_index() == 0:
