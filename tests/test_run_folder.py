@@ -95,7 +95,8 @@ def test_evaluation_follows_the_users_data(tmp_path, capsys):
     records = [{"prompt": f"Say {i}.", "completion": f"{i}"} for i in range(40)]
     data = tmp_path / "mine.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    config = load_config("sft", [*SMALL, f"--config.workdir={tmp_path / 'run'}", f"--config.data.train={data}"])
+    config = load_config("sft", [*SMALL, f"--config.workdir={tmp_path / 'run'}", f"--config.data.train={data}",
+                                 "--config.eval.generate=4"])
     assert config.data.eval == "" and "5% of each training file (at least one batch) is held out" in (
         capsys.readouterr().out)
     summary = train(config)

@@ -84,7 +84,8 @@ def evaluate(engine, inputs, eval_fn) -> dict[str, float]:
                               engine.state.step)
             totals = metrics if not totals else jax.tree.map(jnp.add, totals, metrics)
         out.update(reduce(totals))
-    if inputs.eval_records and spec.generate > 0:
-        out["accuracy"] = exact_match(engine.policy(), engine.tokenizer, inputs.eval_records[: spec.generate],
+    answered = [r for r in inputs.eval_records if "answer" in r]  # exact match only where there is an answer
+    if answered and spec.generate > 0:
+        out["accuracy"] = exact_match(engine.policy(), engine.tokenizer, answered[: spec.generate],
                                       max_new_tokens=spec.max_new_tokens)
     return out
