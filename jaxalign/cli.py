@@ -192,10 +192,11 @@ def cmd_train(args) -> int:
     print("\n=== jaxalign train: done ===")
     initial, final = summary.get("initial_eval") or {}, summary.get("final_eval") or {}
     if "accuracy" in final:
-        print(f"held-out exact-match accuracy: {100 * initial.get('accuracy', float('nan')):.1f}% at step 0 -> "
-              f"{100 * final['accuracy']:.1f}% at step {summary['step']}")
+        before = f"{100 * initial['accuracy']:.1f}% at step 0 -> " if "accuracy" in initial else ""
+        print(f"held-out exact-match accuracy: {before}{100 * final['accuracy']:.1f}% at step {summary['step']}")
     if "loss" in final:
-        print(f"eval loss: {initial.get('loss', float('nan')):.4f} -> {final['loss']:.4f}")
+        before = f"{initial['loss']:.4f} at step 0 -> " if "loss" in initial else ""
+        print(f"eval loss: {before}{final['loss']:.4f} at step {summary['step']}")
     for label, key in (("metrics (JSONL)", "metrics"), ("curves (PNG)", "plot"), ("TensorBoard", "tensorboard"),
                        ("checkpoints", "checkpoints")):
         if summary.get(key):
