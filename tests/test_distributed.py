@@ -73,6 +73,7 @@ def params_of(workdir):
     return step, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "reference"), [("sft", "model"), ("dpo", "model"), ("dpo", "precomputed")])
 def test_two_processes_with_resume_equal_one_process(name, reference, tmp_path):
     extra = [f"--config.reference.kind={reference}"]
@@ -108,6 +109,7 @@ def test_cluster_detection():
         initialize({"mode": "on", "coordinator_address": "127.0.0.1:1", "num_processes": 2, "process_id": 0})
 
 
+@pytest.mark.slow
 def test_slurm_environment_is_detected(tmp_path):
     """What ``srun`` gives each task is enough: no coordinator in the config."""
     outputs = launch(tmp_path / "slurm", 2, "sft", slurm=True)

@@ -18,6 +18,7 @@ def experiments_on_path():
     sys.path.remove(str(EXPERIMENTS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("study", STUDIES)
 def test_study_runs_at_smoke_size(study, tmp_path):
     module = importlib.import_module(study)
@@ -37,6 +38,7 @@ def test_every_study_has_a_docstring_and_main():
         assert text.startswith('"""') and "def main(argv" in text and 'if __name__ == "__main__"' in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("study", ["frozen_lake", "sft_vs_ift"])
 def test_rerunning_a_study_with_the_same_seed_reproduces_its_numbers(study, tmp_path):
     module = importlib.import_module(study)

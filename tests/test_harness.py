@@ -74,6 +74,7 @@ def test_generate_until_is_greedy_decoding_cut_at_the_stop(lm):
     assert text == lm.tokenizer.decode(out[0], skip_special_tokens=True).split("\n")[0]
 
 
+@pytest.mark.slow
 def test_simple_evaluate_runs_local_yaml_tasks(lm, tmp_path):
     rows = [{"question": f"What is {a} + {b}?", "choices": [str(a + b), str(a + b + 1)], "answer": 0}
             for a, b in [(1, 2), (3, 4), (5, 6), (7, 1)]]

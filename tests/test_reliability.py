@@ -78,6 +78,7 @@ def finished(reference) -> Path:
     return workdir
 
 
+@pytest.mark.slow
 def test_kill9_at_ten_random_steps_then_identical_parameters(uninterrupted, tmp_path):
     kill_steps = sorted(random.Random(2026).sample(range(2, STEPS - 2, 3), KILLS))  # at least 3 steps apart
     workdir = tmp_path / "killed"
@@ -96,6 +97,7 @@ def test_kill9_at_ten_random_steps_then_identical_parameters(uninterrupted, tmp_
     assert_same_params(workdir, finished(uninterrupted))
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_exits_and_resumes_at_the_next_step(uninterrupted, tmp_path):
     workdir = tmp_path / "preempted"
     process = start(workdir)
