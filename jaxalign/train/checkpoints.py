@@ -141,19 +141,11 @@ def has_checkpoints(workdir: Path) -> bool:
     return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
 
 
-def _flat(values: dict, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def differences(saved: dict, new: dict) -> list[str]:
     """``field: saved -> new`` for the ``SAME_RUN_FIELDS`` two effective configs disagree on."""
-    old, now = _flat(saved), _flat(new)
+    from jaxalign.train.fields import flatten
+
+    old, now = dict(flatten(saved)), dict(flatten(new))
     fields = sorted(f for f in set(old) | set(now)
                     if f.startswith(SAME_RUN_FIELDS) or f in SAME_RUN_FIELDS)
     return [f"{f}: {old.get(f)!r} -> {now.get(f)!r}" for f in fields if old.get(f) != now.get(f)]

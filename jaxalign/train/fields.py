@@ -93,12 +93,13 @@ HELP: dict[str, str] = {
 }
 
 
-def _flatten(values: dict, prefix: str = "") -> list[tuple[str, object]]:
+def flatten(values: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """``(dotted field, value)`` of a nested config dict, ``objective.params`` entries one by one."""
     rows = []
     for key, value in values.items():
         path = f"{prefix}{key}"
         if isinstance(value, dict) and path != "objective.params":
-            rows += _flatten(value, f"{path}.")
+            rows += flatten(value, f"{path}.")
         elif path == "objective.params":
             rows += [(f"{path}.{k}", v) for k, v in value.items()]
         else:
@@ -117,7 +118,7 @@ def describe(config: ml_collections.ConfigDict) -> list[tuple[str, str, str]]:
         values = effective_config(config, spec)
     params_help = "objective hyper-parameter (docs/objectives.md)"
     return [(path, json.dumps(value), HELP.get(path, params_help if path.startswith("objective.params.") else ""))
-            for path, value in _flatten(values)]
+            for path, value in flatten(values)]
 
 
 def table(rows: list[tuple[str, str, str]]) -> str:
