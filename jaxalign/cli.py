@@ -60,15 +60,15 @@ def _read_prompts(args) -> list[str | list[dict]]:
 def cmd_generate(args) -> int:
     import numpy as np
 
+    from jaxalign.data.tokenize import as_tokenizer
     from jaxalign.sampling import left_pad, sample, truncate_at_stop
-    from jaxalign.train.build import tokenizer_of
 
     path = _model_path(args.model)
     start = time.perf_counter()
     model, tokenizer = _load_any(str(path), dtype=args.dtype)
     if args.chat and not args.chat_template and tokenizer.chat_template is None:
         raise ValueError("the tokenizer has no chat template; use --no-chat or give --chat-template")
-    encoder = tokenizer_of(tokenizer, args.chat_template)
+    encoder = as_tokenizer(tokenizer, args.chat_template)
     print(f"loaded {path.name} ({model.config.num_params() / 1e6:.1f}M parameters) in "
           f"{time.perf_counter() - start:.1f}s", file=sys.stderr)
     prompts = _read_prompts(args)

@@ -50,18 +50,20 @@ class Trainer:
         return [tokenize_record(self.tok, validate_record(r, source="toy", index=i, kind="sft"))
                 for i, r in enumerate(records)]
 
-    def _step(self, steps: int):
-        """(optimizer, jitted step) for a run of ``steps`` steps (the schedule's length), built once."""
+    def _step(self, steps: int, params):
+        """(optimizer, jitted step) for a run of ``steps`` steps (the schedule's length), built once; the frozen
+        entries live in the optimizer state, so every mask shares the step."""
         if steps not in self._steps:
             tx, _ = optimizer(self.spec.optim, steps)
-            step = make_train_step(self.graphdef, get_objective("sft").fn, make_params("sft"), freeze(tx, None))
-            self._steps[steps] = (tx, step)
+            template = freeze(tx, jax.tree.map(lambda _: False, params))
+            self._steps[steps] = (tx, make_train_step(self.graphdef, get_objective("sft").fn, make_params("sft"),
+                                                      template))
         return self._steps[steps]
 
     def train(self, params, records: list[dict], steps: int, *, frozen=None, seed: int = 0):
         if steps <= 0:
             return params
-        tx, step = self._step(steps)
+        tx, step = self._step(steps, params)
         mask = jax.tree.map(lambda _: False, params) if frozen is None else frozen
         state = init_state(jax.tree.map(jnp.copy, params), freeze(tx, mask), seed, None)
         pipeline = DataPipeline([self.examples(records)], "sft",

@@ -120,10 +120,13 @@ class Tokenizer:
         return [self.bos_id, *ids[start:]], [0, *mask[start:]]
 
 
-def as_tokenizer(tokenizer) -> Tokenizer:
+def as_tokenizer(tokenizer, chat_template: str | None = None) -> Tokenizer:
     """``tokenizer`` as the prompt encoder: a ``Tokenizer`` as it is (the run's template and lengths), a
-    transformers tokenizer wrapped with its own chat template."""
-    return tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer, training=False)
+    transformers tokenizer wrapped with its own chat template or ``chat_template`` (a Jinja string, ``chatml`` or
+    ``zephyr``, as ``data.chat_template``)."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    return Tokenizer(tokenizer, TokenizeConfig(chat_template=chat_template or None), training=False)
 
 
 def chat_segments(tok: Tokenizer, messages: Sequence[dict]) -> list[tuple[str, bool]]:

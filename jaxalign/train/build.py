@@ -26,7 +26,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxalign.data.tokenize import TokenizeConfig, Tokenizer
+from jaxalign.data.tokenize import Tokenizer
 from jaxalign.hub import resolve_model
 from jaxalign.models import (
     LlamaConfig,
@@ -308,9 +308,3 @@ def load_any(path: str | Path, dtype: str = "float32", *, require_tokenizer: boo
     if tokenizer is None and require_tokenizer:
         raise FileNotFoundError(f"{path}: the model folder has no tokenizer files")
     return model, tokenizer
-
-
-def tokenizer_of(hf_tokenizer, chat_template: str | None = None) -> Tokenizer:
-    """The prompt encoder for a loaded model's tokenizer, optionally with a chat-template override (a Jinja
-    string, ``chatml`` or ``zephyr``, as ``data.chat_template``)."""
-    return Tokenizer(hf_tokenizer, TokenizeConfig(chat_template=chat_template or None), training=False)

@@ -11,6 +11,7 @@ import numpy as np
 from jaxalign.data.sater import extract_answer
 from jaxalign.data.tokenize import as_tokenizer
 from jaxalign.sampling import generate, left_pad
+from jaxalign.train.inputs import device_batch
 from jaxalign.train.step import ModelParts, full_parts
 
 
@@ -73,8 +74,6 @@ def reduce(metrics: dict) -> dict[str, float]:
 def evaluate(engine, inputs, eval_fn) -> dict[str, float]:
     """Held-out loss and metrics over ``eval.batches`` batches, and exact-match accuracy of ``eval.generate``
     records, for ``engine``'s current state (``jaxalign.train.build.Engine``, ``jaxalign.train.inputs.Inputs``)."""
-    from jaxalign.train.inputs import device_batch
-
     spec, out = engine.spec.eval, {}
     if inputs.eval_pipeline is not None:
         pipeline, totals = inputs.eval_pipeline, {}
