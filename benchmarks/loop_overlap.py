@@ -18,7 +18,7 @@ import time
 import jax
 import numpy as np
 
-from jaxalign.train import load_config
+from jaxalign.train import load_config, validate
 from jaxalign.train.inputs import Prefetcher, device_batch
 from jaxalign.train.loop import setup
 
@@ -62,7 +62,7 @@ def measure(objective: str, steps: int, rounds: int, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as workdir:
         config = load_config(objective, [f"--config.workdir={workdir}", "--config.logging.tensorboard=False", *extra])
         with contextlib.redirect_stdout(sys.stderr):  # the run's own log lines, away from --json output
-            run = setup(config)
+            run = setup(config, validate(config))
         with jax.set_mesh(run.engine.mesh), run.engine.rules_scope():
             _synchronous(run, 3)  # compile every batch shape once
             _overlapped(run, 3)

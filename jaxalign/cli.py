@@ -111,7 +111,7 @@ def cmd_info(args) -> int:
 
     from jaxalign.train.build import load_any
 
-    model, tokenizer = load_any(_model_path(args.model), require_tokenizer=False)
+    model, tokenizer = load_any(_model_path(args.model), require_tokenizer=False, log=_note)
     config = dataclasses.asdict(model.config)
     config["num_params"] = model.config.num_params()
     config["tokenizer"] = type(tokenizer).__name__ if tokenizer is not None else None
@@ -191,11 +191,12 @@ def cmd_train(args) -> int:
         return 0
     print("\n=== jaxalign train: done ===")
     initial, final = summary.get("initial_eval") or {}, summary.get("final_eval") or {}
+    first = summary.get("initial_eval_step") or 0
     if "accuracy" in final:
-        before = f"{100 * initial['accuracy']:.1f}% at step 0 -> " if "accuracy" in initial else ""
+        before = f"{100 * initial['accuracy']:.1f}% at step {first} -> " if "accuracy" in initial else ""
         print(f"held-out exact-match accuracy: {before}{100 * final['accuracy']:.1f}% at step {summary['step']}")
     if "loss" in final:
-        before = f"{initial['loss']:.4f} at step 0 -> " if "loss" in initial else ""
+        before = f"{initial['loss']:.4f} at step {first} -> " if "loss" in initial else ""
         print(f"eval loss: {before}{final['loss']:.4f} at step {summary['step']}")
     for label, key in (("metrics (JSONL)", "metrics"), ("curves (PNG)", "plot"), ("TensorBoard", "tensorboard"),
                        ("checkpoints", "checkpoints")):
@@ -255,7 +256,12 @@ def _load_any(path: str, dtype: str = "float32"):
     """(model, tokenizer) from a jaxalign run folder, a Hugging Face folder or a .gguf file."""
     from jaxalign.train.build import load_any
 
-    return load_any(path, dtype=dtype)
+    return load_any(path, dtype=dtype, log=_note)
+
+
+def _note(message: str) -> None:
+    """A status line on stderr (stdout stays the command's output)."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def cmd_route(args) -> int:
@@ -288,7 +294,7 @@ def cmd_route(args) -> int:
 def cmd_export(args) -> int:
     from jaxalign.train.export import export
 
-    out = export(args.checkpoint, args.out, adapter=args.adapter)
+    out = export(args.checkpoint, args.out, adapter=args.adapter, log=_note)
     if args.adapter:
         print(f"wrote {out} (adapter_config.json, adapter_model.safetensors, tokenizer); load it with "
               "peft.PeftModel.from_pretrained(base_model, folder) or peft.AutoPeftModelForCausalLM")
@@ -307,7 +313,7 @@ def cmd_eval(args) -> int:
     from jaxalign.train.build import restore_model
     from jaxalign.train.evaluate import exact_match
 
-    model, tokenizer, step = restore_model(args.checkpoint)
+    model, tokenizer, step = restore_model(args.checkpoint, log=_note)
     records = [r for _, r in read_records(args.data) if isinstance(r, dict)][: args.n]
     accuracy = exact_match(model, tokenizer, records, max_new_tokens=args.max_new_tokens)
     print(json.dumps({"checkpoint_step": step, "records": len(records), "exact_match": accuracy}))
@@ -491,12 +497,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = parser.parse_args(argv)
     from jaxalign.models import CheckpointError
-    from jaxalign.train.checkpoints import RunFolderError
+    from jaxalign.train.checkpoints import CheckpointWriteError, NoGoodCheckpoint, RunFolderError
     from jaxalign.train.loop import TrainingHalted
 
     try:
         return args.func(args)
-    except (CheckpointError, FileNotFoundError, ValueError, TrainingHalted, RunFolderError) as err:
+    except (CheckpointError, FileNotFoundError, ValueError, TrainingHalted, RunFolderError, NoGoodCheckpoint,
+            CheckpointWriteError) as err:
         command = " ".join(filter(None, (args.command, getattr(args, "data_command", None),
                                          getattr(args, "config_command", None))))
         print(f"jaxalign {command}: error: {err}", file=sys.stderr)

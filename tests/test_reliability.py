@@ -22,6 +22,7 @@ from jaxalign.data.pipeline import DataPipeline
 from jaxalign.data.toy import toy_tokenizer, write_jsonl
 from jaxalign.models import CheckpointError, create_model, load_pretrained, save_hf
 from jaxalign.train import ConfigError, TrainingHalted, load_config, train, validate
+from jaxalign.train import checkpoints, writers
 from jaxalign.train.export import restore_model
 
 STEPS = 40
@@ -115,19 +116,98 @@ def test_sigterm_checkpoints_exits_and_resumes_at_the_next_step(uninterrupted, t
     assert_same_params(workdir, finished(uninterrupted))
 
 
-def test_half_written_latest_checkpoint_falls_back_with_a_warning(tmp_path):
-    extra = ["--config.train.save_every=4", "--config.train.keep_checkpoints=3", "--config.eval.generate=0"]
-    train(small_config("sft", tmp_path / "run", "--config.train.steps=8", *extra))
+CKPT = ["--config.train.save_every=4", "--config.train.keep_checkpoints=3", "--config.eval.generate=0"]
+
+
+def test_half_written_final_checkpoint_is_replaced_and_export_uses_a_good_one(tmp_path, capsys):
+    train(small_config("sft", tmp_path / "run", "--config.train.steps=8", *CKPT))
     for file in (tmp_path / "run" / "checkpoints" / "8").rglob("*"):
         if file.is_file() and file.stat().st_size > 1:
             file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])  # the write stopped halfway
-    with pytest.warns(UserWarning, match="checkpoint 8 could not be restored"):
-        summary = train(small_config("sft", tmp_path / "run", "--config.train.steps=10", *extra))
-    assert summary["step"] == 10
+    with pytest.warns(UserWarning, match="checkpoint 8 in .* is broken"):
+        summary = train(small_config("sft", tmp_path / "run", "--config.train.steps=8", *CKPT))  # the same command
+    assert summary["step"] == 8
+    assert [p.name.split("-")[0] for p in (tmp_path / "run" / "broken-checkpoints").iterdir()] == ["8"]
+    assert checkpoints.good_step(tmp_path / "run" / "checkpoints") == (8, [])  # retrained and saved again
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    assert f"using checkpoint 8 of {tmp_path / 'run'}" in capsys.readouterr().err
 
 
-def poison_batch(monkeypatch, at: int):
-    """Makes the ``at``-th training batch carry a NaN example weight (so its loss and gradients are NaN)."""
+def flip(file: Path, at: float) -> None:
+    data = bytearray(file.read_bytes())
+    i = int(len(data) * at)
+    data[i:i + 8] = bytes(b ^ 0x5A for b in data[i:i + 8])  # same size, different content
+    file.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_anywhere_in_the_latest_checkpoint_fall_back_and_train_identically(tmp_path):
+    train(small_config("sft", tmp_path / "reference", "--config.train.steps=8", *CKPT))
+    _, reference = final_params(tmp_path / "reference")
+    run = tmp_path / "run"
+    train(small_config("sft", run, "--config.train.steps=8", *CKPT))
+    step8 = run / "checkpoints" / "8"
+    # the array data (middle, end), the JSON meta record, a middle-sized Orbax file (names change with each save)
+    targets = [(-1, 0.5), (-1, 0.97), ("meta/metadata", 0.5), (0.5, 0.3)]
+    for which, at in targets:
+        files = sorted((p for p in step8.rglob("*") if p.is_file() and p.name != checkpoints.MANIFEST),
+                       key=lambda p: p.stat().st_size)
+        flip(step8 / which if isinstance(which, str) else files[int(which * (len(files) - 1)) if which > 0
+                                                                else which], at)
+        with pytest.warns(UserWarning, match=r"checkpoint 8 in .* is broken \(.* does not match its content hash"):
+            train(small_config("sft", run, "--config.train.steps=8", *CKPT))
+        _, params = final_params(run)
+        for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(reference), strict=True):
+            np.testing.assert_array_equal(x, y)
+    assert len(list((run / "broken-checkpoints").iterdir())) == len(targets)
+
+
+def test_no_good_checkpoint_stops_the_run_and_moves_nothing(tmp_path, capsys):
+    run = tmp_path / "run"
+    train(small_config("sft", run, "--config.train.steps=8", *CKPT))
+    for step in ("4", "8"):
+        flip(max((run / "checkpoints" / step).rglob("*"), key=lambda p: p.stat().st_size), 0.5)
+    with pytest.raises(checkpoints.NoGoodCheckpoint, match=r"no good checkpoint \(step 8: .*; step 4: .*"
+                                                           r"train.resume=False"):
+        train(small_config("sft", run, "--config.train.steps=8", *CKPT))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["4", "8"]
+    assert not (run / "broken-checkpoints").exists()
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "no good checkpoint" in err and "Traceback" not in err
+
+
+def test_a_bad_metrics_line_before_the_last_is_an_error_naming_the_file(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "split": "eval"}\n{"step": 2, "split": "train"}\n'
+                                            'garbage\n{"step": 4, "split": "train"}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 3: not a metrics row"):
+        writers.read_metrics(tmp_path / "metrics.jsonl")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "split": "eval"}\n{"step": 2, "spl')
+    assert writers.read_metrics(tmp_path / "metrics.jsonl") == [{"step": 0, "split": "eval"}]
+
+
+def test_torn_metrics_and_rows_after_the_checkpoint_are_repaired_on_resume(tmp_path):
+    run = tmp_path / "run"
+    extra = ["--config.train.log_every=2", "--config.logging.plot=True", *CKPT]
+    train(small_config("sft", run, "--config.train.steps=8", *extra))
+    flip(max((run / "checkpoints" / "8").rglob("*"), key=lambda p: p.stat().st_size), 0.5)  # resume from 4
+    with (run / "metrics.jsonl").open("a") as handle:
+        handle.write('{"step": 9, "split": "train", "lo')  # what kill -9 mid-write leaves
+    with pytest.warns(UserWarning, match="is broken"):
+        summary = train(small_config("sft", run, "--config.train.steps=8", *extra))
+    rows = writers.read_metrics(run / "metrics.jsonl")
+    keys = [(r["step"], r["split"]) for r in rows]
+    assert len(keys) == len(set(keys)), keys  # no step twice
+    assert [s for s, split in keys if split == "train"] == [2, 4, 6, 8]
+    assert [s for s, split in keys if split == "eval"] == [0, 8]
+    assert (run / "curves.png").stat().st_size > 0
+    assert summary["initial_eval_step"] == 0 and np.isfinite(summary["initial_eval"]["loss"])
+
+
+def poison_batch(monkeypatch, at):
+    """Makes the ``at``-th training batch (or every one in ``at``, a container) carry a NaN example weight (so its
+    loss and gradients are NaN)."""
     original = DataPipeline.__next__
     calls = {"n": 0}
 
@@ -135,7 +215,7 @@ def poison_batch(monkeypatch, at: int):
         batch = original(self)
         if self.config.shuffle:  # the training pipeline (evaluation does not shuffle)
             calls["n"] += 1
-            if calls["n"] == at:
+            if calls["n"] == at or (not isinstance(at, int) and calls["n"] in at):
                 batch = {**batch, "example_weight": np.full_like(batch["example_weight"], np.nan)}
         return batch
 
@@ -144,8 +224,8 @@ def poison_batch(monkeypatch, at: int):
 
 def test_nan_batch_is_skipped_counted_and_training_continues(monkeypatch, tmp_path, capsys):
     poison_batch(monkeypatch, at=3)
-    summary = train(small_config("sft", tmp_path / "run", "--config.train.steps=6", "--config.eval.generate=0"))
-    assert summary["step"] == 6 and summary["skipped_updates"] == 1
+    summary = train(small_config("sft", tmp_path / "run", "--config.train.steps=10", "--config.eval.generate=0"))
+    assert summary["step"] == 10 and summary["skipped_updates"] == 1  # 10 %: at the limit, not over it
     assert "step 3: the loss or the gradients are not finite; the update was skipped (1 skipped so far)" in (
         capsys.readouterr().out)
     _, params = final_params(tmp_path / "run")
@@ -159,6 +239,27 @@ def test_nan_batch_halts_when_configured(monkeypatch, tmp_path):
                            "--config.eval.generate=0"))
     step, params = final_params(tmp_path / "run")
     assert step == 3 and all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
+
+
+def test_a_streak_of_skipped_updates_halts_with_a_checkpoint(monkeypatch, tmp_path):
+    poison_batch(monkeypatch, at=range(3, 100))
+    with pytest.raises(TrainingHalted, match=r"3 updates in a row were skipped \(train.max_skip_streak=3\).*"
+                                             r"checkpoint at step 5"):
+        train(small_config("sft", tmp_path / "run", "--config.train.steps=20", "--config.train.max_skip_streak=3",
+                           "--config.eval.generate=0"))
+    step, params = final_params(tmp_path / "run")
+    assert step == 5 and all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
+
+
+def test_too_many_skipped_updates_is_a_failed_run_not_done(monkeypatch, tmp_path, capsys):
+    poison_batch(monkeypatch, at={2, 4})
+    workdir = tmp_path / "run"
+    assert main(["train", "--config", "sft", *SMALL, f"--config.workdir={workdir}", "--config.train.steps=10",
+                 "--config.eval.generate=0"]) == 2
+    out, err = capsys.readouterr()
+    assert "2 of 10 updates (20.0 %) were skipped" in err and "max_skip_fraction=0.1" in err
+    assert "done" not in out and "Traceback" not in err
+    assert (workdir / "summary.json").exists() and checkpoints.good_step(workdir / "checkpoints")[0] == 10
 
 
 # ------------------------------------------------------------------------------------------ bad configs

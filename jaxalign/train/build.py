@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from jaxalign.models import (
 )
 from jaxalign.objectives import Objective
 from jaxalign.parallel.mesh import Rules, batch_sharding, make_mesh, use_rules
+from jaxalign.train.checkpoints import good_step
 from jaxalign.train.evaluate import make_eval_step
 from jaxalign.train.spec import ModelSpec, OptimSpec, RunSpec
 from jaxalign.train.step import (
@@ -264,10 +266,12 @@ def run_spec_of(run_dir: Path) -> RunSpec:
     return RunSpec.from_config(load_config(str(run_dir / "config.json")), check=False)
 
 
-def restore_model(checkpoint: str | Path):
-    """(model, tokenizer, step) restored from a run's checkpoint (the latest unless a step folder is given),
+def restore_model(checkpoint: str | Path, *, log=None):
+    """(model, tokenizer, step) restored from a run's checkpoint (the newest that verifies against its manifest,
+    broken ones passed over with a warning, unless a step folder is given),
     onto this process's first device whatever mesh or number of hosts wrote it. For a LoRA run the model is
-    the base (``model.path`` again, or the random preset recreated from the seed) with the trained adapters."""
+    the base (``model.path`` again, or the random preset recreated from the seed) with the trained adapters.
+    ``log`` (optional) is told which checkpoint was used."""
     import orbax.checkpoint as ocp
 
     run_dir, step = run_dir_of(checkpoint)
@@ -283,10 +287,12 @@ def restore_model(checkpoint: str | Path):
     tx, _ = optimizer(spec.optim, spec.train.steps)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here),
                           jax.eval_shape(lambda p: init_state(p, tx, 0, None), params))
+    step, skipped = good_step(run_dir / "checkpoints", step)
+    for line in skipped:
+        warnings.warn(f"{run_dir / 'checkpoints'}: passing over the broken checkpoint {line}", stacklevel=2)
+    if log is not None:
+        log(f"using checkpoint {step} of {run_dir}" + (" (the newest that verifies)" if skipped else ""))
     manager = ocp.CheckpointManager(run_dir / "checkpoints")
-    step = manager.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"{run_dir / 'checkpoints'}: no checkpoint to export")
     restored = TrainState(*manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(target))).state).params
     if lora_config is None:
@@ -299,10 +305,11 @@ def restore_model(checkpoint: str | Path):
     return model, load_tokenizer(run_dir / "tokenizer"), step
 
 
-def load_any(path: str | Path, dtype: str = "float32", *, require_tokenizer: bool = True):
-    """(model, HF tokenizer) from a jaxalign run folder, a Hugging Face folder or a .gguf file."""
+def load_any(path: str | Path, dtype: str = "float32", *, require_tokenizer: bool = True, log=None):
+    """(model, HF tokenizer) from a jaxalign run folder, a Hugging Face folder or a .gguf file (``log``: as
+    ``restore_model``)."""
     if (Path(path) / "model_config.json").exists():
-        model, tokenizer, _ = restore_model(path)
+        model, tokenizer, _ = restore_model(path, log=log)
         return model, tokenizer
     model, tokenizer = load_pretrained(path, dtype=dtype)
     if tokenizer is None and require_tokenizer:

@@ -1,16 +1,23 @@
 """Orbax checkpoints of a run: save (async, keep-N), restore the newest one that reads back; the run folder's lock;
 and the SIGTERM / SIGINT handler (installed by the CLI) that makes the loop save and stop at the next step boundary.
 
-A checkpoint holds the ``TrainState`` and a JSON meta record (step, data position, objective name). A broken
-checkpoint (half-written, corrupt) is skipped with a warning and the next older one restored.
+A checkpoint holds the ``TrainState`` and a JSON meta record (step, data position, objective name), and once its
+(async) save has completed, a manifest of its files' sizes and SHA-256 hashes. A checkpoint whose files do not match
+its manifest (flipped bytes, truncation, a save that never completed) or that does not restore is moved to
+``broken-checkpoints/`` with a warning and the next older one restored; when none is good the run stops.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import hashlib
+import json
 import os
+import shutil
 import signal
+import time
 import warnings
 from pathlib import Path
 
@@ -20,42 +27,211 @@ import orbax.checkpoint as ocp
 from jaxalign.train.step import TrainState
 
 
-def manager(workdir: Path, keep: int) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager((Path(workdir) / "checkpoints").resolve(),
-                                 options=ocp.CheckpointManagerOptions(max_to_keep=keep,
-                                                                      enable_async_checkpointing=True))
+MANIFEST = "jaxalign-manifest.json"
+BROKEN = "broken-checkpoints"
+# The errno values of a save that failed for lack of room or a failing disk.
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
 
 
-def save(manager: ocp.CheckpointManager, state: TrainState, step: int, meta: dict, *, wait: bool = False) -> None:
-    """Saves ``state`` as ``step`` (nothing when that step is already saved); ``wait`` blocks until written."""
-    if manager.latest_step() != step:
-        manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                   meta=ocp.args.JsonSave({"step": step, **meta})), force=True)
-    if wait:
-        manager.wait_until_finished()
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, quota, I/O error); the message names the folder, the bytes
+    needed and free, and says the earlier checkpoints are intact."""
+
+
+class NoGoodCheckpoint(RuntimeError):
+    """A run folder has checkpoints but none passes verification; nothing is restored and nothing overwritten."""
+
+
+def _digest(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def content_hashes(folder: Path) -> dict[str, list]:
+    """``{relative path: [bytes, sha256]}`` of every file in a step folder (the manifest excluded)."""
+    return {str(p.relative_to(folder)): [p.stat().st_size, _digest(p)]
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+
+
+def seal(folder: Path) -> None:
+    """Writes ``folder``'s manifest (written last, atomically: a folder without one was never completed)."""
+    tmp = folder / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"format": 1, "files": content_hashes(folder)}, indent=0))
+    with tmp.open("rb") as handle:
+        os.fsync(handle.fileno())
+    tmp.replace(folder / MANIFEST)
+
+
+def verify(folder: Path) -> str | None:
+    """None when every file of the step folder matches its manifest; else what is wrong, in words."""
+    try:
+        recorded = json.loads((folder / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return "it has no manifest (its save never completed)"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"its manifest is unreadable ({type(err).__name__})"
+    present = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST}
+    if missing := sorted(set(recorded) - present):
+        return f"{missing[0]} is missing"
+    if extra := sorted(present - set(recorded)):
+        return f"{extra[0]} is not in its manifest"
+    for name, (size, digest) in recorded.items():
+        path = folder / name
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
+        if _digest(path) != digest:
+            return f"{name} does not match its content hash"
+    return None
+
+
+def _write_failure(err: BaseException) -> str | None:
+    """The reason in words when ``err`` (or an error it wraps) is a full disk or an I/O failure."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _WRITE_ERRNOS:
+            return os.strerror(err.errno)
+        text = str(err)
+        for code in _WRITE_ERRNOS:
+            if os.strerror(code) in text:
+                return os.strerror(code)
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def state_bytes(state) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state) if hasattr(x, "dtype"))
+
+
+class Checkpoints:
+    """The run's ``checkpoints/`` folder: Orbax saves (async, keep-N), each sealed with a manifest of content
+    hashes once written; restores verify the manifest first. A checkpoint that fails verification or does not
+    restore is moved to ``broken-checkpoints/`` (never trusted again) and the next older one is used."""
+
+    def __init__(self, workdir: Path, keep: int):
+        self.workdir = Path(workdir)
+        self.folder = (self.workdir / "checkpoints").resolve()
+        self.manager = ocp.CheckpointManager(self.folder, options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=True))
+        self._unsealed: list[int] = []
+        self._needed = 0
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def save(self, state: TrainState, step: int, meta: dict, *, wait: bool = False) -> None:
+        """Saves ``state`` as ``step`` (nothing when that step is already saved); ``wait`` blocks until written
+        and sealed. A failed write raises ``CheckpointWriteError`` with the temporary files removed."""
+        self.finish()
+        if step not in self.manager.all_steps():
+            self._needed = state_bytes(state)
+            try:
+                self.manager.save(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({"step": step, **meta})), force=True)
+            except Exception as err:
+                self._failed(err, step)
+                raise
+            self._unsealed.append(step)
+        if wait:
+            self.finish()
+
+    def finish(self) -> None:
+        """Waits for the save in flight and seals what this process saved."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as err:
+            self._failed(err, self._unsealed[-1] if self._unsealed else None)
+            raise
+        if jax.process_index() == 0:
+            for step in self._unsealed:
+                if (self.folder / str(step)).is_dir():
+                    seal(self.folder / str(step))
+        self._unsealed = []
+
+    def _failed(self, err: BaseException, step: int | None) -> None:
+        reason = _write_failure(err)
+        if reason is None:
+            return
+        for tmp in self.folder.glob("*.orbax-checkpoint-tmp*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        self._unsealed = [s for s in self._unsealed if s != step]
+        free = shutil.disk_usage(self.folder).free if self.folder.exists() else 0
+        good = [s for s in self.steps() if s != step]
+        kept = f"the earlier checkpoints are intact (latest: step {good[-1]})" if good else "no earlier checkpoint"
+        raise CheckpointWriteError(
+            f"could not save checkpoint {step} in {self.folder}: {reason}; it needs about "
+            f"{self._needed / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free; {kept}. Free some space and "
+            "rerun the same command to resume.") from None
+
+    def restore_latest(self, state: TrainState) -> tuple[TrainState, dict] | None:
+        """The newest checkpoint that verifies and restores into ``state``'s shapes and shardings; broken ones are
+        moved aside with a warning. None for a folder without checkpoints; ``NoGoodCheckpoint`` when there are some
+        but none is good (nothing is moved then)."""
+        target = abstract_of(state)
+        problems = []
+        for step in reversed(self.steps()):
+            problem = verify(self.folder / str(step))
+            if problem is None:
+                try:
+                    restored = self.manager.restore(step, args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+                except Exception as err:  # a readable manifest over unreadable Orbax metadata
+                    problem = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+                else:
+                    for bad in problems:
+                        self._set_aside(bad[0])
+                    if problems:
+                        self.manager.reload()
+                    return TrainState(*restored.state), restored.meta
+            warnings.warn(f"checkpoint {step} in {self.folder} is broken ({problem}); trying an older one",
+                          stacklevel=2)
+            problems.append((step, problem))
+        if problems:
+            listed = "; ".join(f"step {s}: {p}" for s, p in problems)
+            raise NoGoodCheckpoint(
+                f"{self.folder} has no good checkpoint ({listed}). Nothing was restored or changed; to start this "
+                "run over, rerun with --config.train.resume=False (the broken run moves to a replaced-* folder).")
+        return None
+
+    def _set_aside(self, step: int) -> None:
+        if jax.process_index() != 0:
+            return
+        target = self.workdir / BROKEN / f"{step}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+        target.parent.mkdir(exist_ok=True)
+        (self.folder / str(step)).replace(target)
+        warnings.warn(f"checkpoint {step} moved to {target}; it will not be used again", stacklevel=3)
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def good_step(folder: Path, step: int | None = None) -> tuple[int, list[str]]:
+    """The newest step folder under ``folder`` (a run's ``checkpoints/``) that verifies, or ``step`` itself when
+    given and good; with the broken ones passed over, as ``step N: problem`` lines. Raises ``NoGoodCheckpoint``."""
+    steps = sorted((int(p.name) for p in Path(folder).iterdir() if p.name.isdigit() and p.is_dir()),
+                   reverse=True) if Path(folder).is_dir() else []
+    if step is not None:
+        steps = [step] if step in steps else []
+        if not steps:
+            raise FileNotFoundError(f"{folder}: no checkpoint {step}")
+    skipped = []
+    for candidate in steps:
+        problem = verify(Path(folder) / str(candidate))
+        if problem is None:
+            return candidate, skipped
+        skipped.append(f"step {candidate}: {problem}")
+    if not steps:
+        raise FileNotFoundError(f"{folder}: no checkpoint to restore")
+    raise NoGoodCheckpoint(f"{folder} has no good checkpoint ({'; '.join(skipped)})")
 
 
 def abstract_of(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def restore_latest(manager: ocp.CheckpointManager, state: TrainState) -> tuple[TrainState, dict] | None:
-    """The newest checkpoint that restores into ``state``'s shapes and shardings; broken ones are skipped with a
-    warning."""
-    target = abstract_of(state)
-    for step in sorted(manager.all_steps(), reverse=True):
-        try:
-            restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                                     meta=ocp.args.JsonRestore()))
-            return TrainState(*restored.state), restored.meta
-        except Exception as err:  # a half-written or corrupt checkpoint must not stop the run
-            warnings.warn(f"checkpoint {step} could not be restored ({type(err).__name__}: {err}); trying an "
-                          "older one", stacklevel=2)
-    return None
-
-
 class StopSignals:
-    """SIGTERM / SIGINT set a flag; the loop saves and exits at the next step boundary."""
+    """SIGTERM / SIGINT set a flag; the loop saves and exits at the next step boundary (start-up stops at its next
+    stage, before anything is half-made). A second Ctrl-C raises ``KeyboardInterrupt`` at once."""
 
     def __init__(self):
         self.requested, self._previous = None, {}
@@ -66,6 +242,8 @@ class StopSignals:
         return self
 
     def _handle(self, signum, _frame):
+        if self.requested == "SIGINT" and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C does not wait for the step boundary
         self.requested = signal.Signals(signum).name
 
     def __exit__(self, *exc):
@@ -132,7 +310,7 @@ class RunLock:
 # the processes may change between a run and its resume).
 SAME_RUN_FIELDS = ("seed", "tokenizer", "model.", "data.", "objective.", "reference.kind", "lora.", "optim.",
                    "train.batch_size", "train.grad_accum")
-RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "tensorboard", "curves.png", "config.json",
+RUN_FILES = ("checkpoints", BROKEN, "metrics.jsonl", "summary.json", "tensorboard", "curves.png", "config.json",
              "model_config.json", "tokenizer", "data")
 
 
@@ -173,8 +351,6 @@ def check_resumable(workdir: Path, effective: dict) -> None:
 def retire(workdir: Path) -> Path | None:
     """Moves a previous run's files into ``workdir/replaced-<UTC time>/`` (train.resume=False in a used folder:
     nothing is deleted); returns that folder, or None when there was nothing to move."""
-    import time
-
     present = [name for name in RUN_FILES if (Path(workdir) / name).exists()]
     if not present or not has_checkpoints(workdir):
         return None

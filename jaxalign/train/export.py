@@ -16,15 +16,16 @@ from jaxalign.train.build import restore_model, run_dir_of, run_spec_of
 __all__ = ["export", "restore_model", "run_dir_of"]
 
 
-def export(checkpoint: str | Path, out: str | Path, *, adapter: bool = False) -> Path:
+def export(checkpoint: str | Path, out: str | Path, *, adapter: bool = False, log=None) -> Path:
     """Writes a run's checkpoint as a Hugging Face folder. A LoRA run's adapters are folded into the weights
     (``W + (α/r)·A·B``), or, with ``adapter=True``, written as a PEFT adapter folder (``adapter_config.json`` +
     ``adapter_model.safetensors``) whose ``base_model_name_or_path`` is the run's ``model.path``; a random toy
-    base is saved next to it as ``base/`` and named instead."""
+    base is saved next to it as ``base/`` and named instead. The checkpoint is the newest that verifies
+    (``log`` is told which)."""
     run_dir, _ = run_dir_of(checkpoint)
     spec = run_spec_of(run_dir)
     lora_config = spec.lora.config()
-    model, tokenizer, _ = restore_model(checkpoint)
+    model, tokenizer, _ = restore_model(checkpoint, log=log)
     out = Path(out)
     if not adapter:
         save_hf(model if lora_config is None else lora.merge_weights(model), out, tokenizer=tokenizer)

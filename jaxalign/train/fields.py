@@ -71,6 +71,8 @@ HELP: dict[str, str] = {
     "train.keep_checkpoints": "checkpoints kept",
     "train.nan_guard": "skip an update whose loss or gradients are not finite",
     "train.nan_policy": "a skipped update: skip (count and go on) or halt (checkpoint and stop)",
+    "train.max_skip_streak": "stop with an error after this many skipped updates in a row (0 = no limit)",
+    "train.max_skip_fraction": "a run that skipped more than this share of its updates ends with an error (0 = off)",
     "train.resume": "continue from the newest checkpoint in workdir",
     "mesh.data": "data-parallel devices (-1 = the rest)",
     "mesh.fsdp": "fully sharded data-parallel devices (-1 = the rest)",

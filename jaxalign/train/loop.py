@@ -44,7 +44,7 @@ class Run:
     workdir: Path
     engine: Engine
     inputs: Inputs
-    manager: Any
+    checkpoints: checkpoints.Checkpoints
     writer: MetricWriter
     step: int = 0  # host copy of state.step
     data_state: dict | None = None  # the pipeline's position after the last batch a step consumed
@@ -52,7 +52,7 @@ class Run:
 
     def save(self, *, wait: bool = False) -> None:
         meta = {"data": self.data_state or self.inputs.pipeline.state(), "objective": self.spec.objective.name}
-        checkpoints.save(self.manager, self.engine.state, self.step, meta, wait=wait)
+        self.checkpoints.save(self.engine.state, self.step, meta, wait=wait)
 
     def evaluate(self, step: int) -> dict[str, float]:
         started = time.time()
@@ -64,47 +64,73 @@ class Run:
         return values
 
 
-def setup(config: ml_collections.ConfigDict, spec: RunSpec) -> Run:
-    """Engine and inputs first: config.json, tokenizer/ and model_config.json are written once both loaded."""
+def setup(config: ml_collections.ConfigDict, spec: RunSpec, stage=lambda: None) -> Run:
+    """Engine and inputs first: config.json, tokenizer/ and model_config.json are written once both loaded.
+    ``stage()`` is called between the stages (it raises to stop start-up on a signal)."""
     workdir = Path(spec.workdir)
     mesh = run_mesh(spec)
     log(f"mesh {dict(mesh.shape)} over {jax.device_count()} devices in {jax.process_count()} process"
         f"{'es' if jax.process_count() > 1 else ''}")
     engine = build(spec, mesh, log=log)
+    stage()
     inputs = load_inputs(spec, engine, workdir, log)
+    stage()
     effective = effective_config(config, spec)
     if jax.process_index() == 0 and not spec.train.resume and (old := checkpoints.retire(workdir)):
         log(f"train.resume=False: the previous run in {workdir} moved to {old}")
     writers.write_run_files(workdir, effective, engine.hf_tokenizer, engine.model_config)
     writer = MetricWriter(workdir, tensorboard=spec.logging.tensorboard, wandb=spec.logging.wandb,
                           wandb_project=spec.logging.wandb_project, config=effective)
-    return Run(spec, workdir, engine, inputs, checkpoints.manager(workdir, spec.train.keep_checkpoints), writer)
+    return Run(spec, workdir, engine, inputs, checkpoints.Checkpoints(workdir, spec.train.keep_checkpoints),
+               writer)
 
 
 def resume(run: Run) -> None:
-    restored = checkpoints.restore_latest(run.manager, run.engine.state) if run.spec.train.resume else None
+    restored = run.checkpoints.restore_latest(run.engine.state) if run.spec.train.resume else None
     if restored is not None:
         run.engine.state, meta = restored
         run.inputs.pipeline.restore(meta["data"])
         log(f"resumed from {run.workdir / 'checkpoints'} at step {int(run.engine.state.step)}")
     run.step = int(run.engine.state.step)
+    if jax.process_index() == 0:  # rows a killed run wrote after its checkpoint would repeat: drop them
+        writers.rewind_metrics(run.workdir / "metrics.jsonl", run.step,
+                               final=run.step == 0 or run.step >= run.spec.train.steps)
 
 
-def report_skips(run: Run, counts: list, seen: int) -> int:
-    """Logs each step whose update the NaN guard skipped (``counts``: the running count after each step of the
-    window, read in one transfer); halts with ``nan_policy='halt'``. Returns the count after the window."""
-    first = run.step - len(counts) + 1
-    for step, count in enumerate(map(int, jax.device_get(counts)), first):
-        if count > seen:
-            seen = count
+class Skips:
+    """Counts the updates the NaN guard skipped (``counts``: the running total after each step of a window, read
+    in one transfer), logs each, and stops the run when ``train.nan_policy='halt'`` or when
+    ``train.max_skip_streak`` updates in a row were skipped."""
+
+    def __init__(self, run: Run):
+        self.run, self.seen, self.streak = run, int(run.engine.state.skipped), 0
+
+    def report(self, counts: list) -> None:
+        run, cfg = self.run, self.run.spec.train
+        first = run.step - len(counts) + 1
+        for step, count in enumerate(map(int, jax.device_get(counts)), first):
+            if count <= self.seen:
+                self.streak = 0
+                continue
+            self.seen, self.streak = count, self.streak + 1
             message = (f"step {step}: the loss or the gradients are not finite; the update was skipped "
                        f"({count} skipped so far)")
-            if run.spec.train.nan_policy == "halt":
+            if cfg.nan_policy == "halt" or (cfg.max_skip_streak and self.streak >= cfg.max_skip_streak):
                 run.save(wait=True)
-                raise TrainingHalted(f"{message}. Halting because train.nan_policy='halt'; a checkpoint at step "
-                                     f"{step} (parameters of step {step - 1}) is in {run.workdir / 'checkpoints'}")
+                why = ("train.nan_policy='halt'" if cfg.nan_policy == "halt" else
+                       f"{self.streak} updates in a row were skipped (train.max_skip_streak={cfg.max_skip_streak})")
+                raise TrainingHalted(f"{message}. Halting because {why}; a checkpoint at step {run.step} (parameters "
+                                     f"of the last good update) is in {run.workdir / 'checkpoints'}")
             log(message)
-    return seen
+
+    def check_share(self) -> None:
+        """At the end of a run: more than ``train.max_skip_fraction`` of all updates skipped is a failed run."""
+        limit, steps = self.run.spec.train.max_skip_fraction, max(self.run.step, 1)
+        if limit and self.seen > limit * steps:
+            raise TrainingHalted(
+                f"{self.seen} of {steps} updates ({100 * self.seen / steps:.1f} %) were skipped because the loss or "
+                f"the gradients were not finite, more than train.max_skip_fraction={limit}; the run is not trusted "
+                f"as trained (checkpoint and metrics in {self.run.workdir}). Lower optim.lr or check the data.")
 
 
 def log_window(run: Run, window: dict, tokens: int, started: float, progress) -> None:
@@ -117,14 +143,14 @@ def log_window(run: Run, window: dict, tokens: int, started: float, progress) ->
     writers.show(line, progress, log)
 
 
-def run_steps(run: Run, stop) -> str | None:
+def run_steps(run: Run, stop, skips: Skips) -> str | None:
     """Trains from ``run.step`` to ``train.steps``; returns the signal's name if one stopped it."""
     cfg, engine = run.spec.train, run.engine
     progress = writers.progress_bar(cfg.steps, run.step) if run.spec.logging.progress else None
     step_fn, frozen = engine.train_step, (() if engine.frozen is None else (engine.frozen,))
-    skipped = int(engine.state.skipped)
     window, counts, tokens, started = {}, [], 0, time.time()
     prefetch = Prefetcher(run.inputs.pipeline, engine.batch_sharding)
+    every_step = cfg.nan_policy == "halt" or cfg.max_skip_streak == 1
     try:
         while run.step < cfg.steps:
             batch, batch_tokens, run.data_state = next(prefetch)
@@ -133,8 +159,9 @@ def run_steps(run: Run, stop) -> str | None:
             window = metrics if not window else jax.tree.map(jnp.add, window, metrics)
             counts.append(metrics["skipped_updates"].total)  # the state is donated: read the output
             tokens += batch_tokens
-            if cfg.nan_policy == "halt" or run.step % cfg.log_every == 0 or run.step == cfg.steps:
-                skipped, counts = report_skips(run, counts, skipped), []
+            if every_step or run.step % cfg.log_every == 0 or run.step == cfg.steps:
+                skips.report(counts)
+                counts = []
             if run.step % cfg.log_every == 0 or run.step == cfg.steps:
                 log_window(run, window, tokens, started, progress)
                 window, tokens, started = {}, 0, time.time()
@@ -145,7 +172,7 @@ def run_steps(run: Run, stop) -> str | None:
             if cfg.save_every and run.step % cfg.save_every == 0:
                 run.save()
             if stop.requested:
-                report_skips(run, counts, skipped)
+                skips.report(counts)
                 return stop.requested
         return None
     finally:
@@ -155,8 +182,16 @@ def run_steps(run: Run, stop) -> str | None:
 
 
 def summarise(run: Run, initial_eval: dict | None, start_time: float) -> dict[str, Any]:
+    """The closing evaluation, the plot and ``summary.json``. A resumed run's first evaluation comes from
+    ``metrics.jsonl`` (the one it knows), with its step."""
     final_eval = run.evaluate(run.step)
     run.writer.close()
+    initial_step = 0 if initial_eval else None
+    if not initial_eval and jax.process_index() == 0:
+        first, _ = writers.known_evaluations(run.workdir / "metrics.jsonl")
+        if first is not None and first["step"] < run.step:
+            initial_step = first.pop("step")
+            initial_eval = first
     plot = None
     if run.spec.logging.plot and jax.process_index() == 0:
         title = f"{run.spec.objective.name} — {run.workdir.name}"
@@ -166,35 +201,66 @@ def summarise(run: Run, initial_eval: dict | None, start_time: float) -> dict[st
         "step": run.step, "workdir": str(run.workdir), "metrics": str(run.workdir / "metrics.jsonl"),
         "checkpoints": str(run.workdir / "checkpoints"), "plot": str(plot) if plot else None,
         "tensorboard": str(run.workdir / "tensorboard") if run.spec.logging.tensorboard else None,
-        "initial_eval": initial_eval, "final_eval": final_eval, "skipped_updates": int(run.engine.state.skipped),
-        "reference_cache": run.inputs.reference_cache, "seconds": round(time.time() - start_time, 1),
-        "eval_seconds": round(run.eval_seconds, 1)})
+        "initial_eval": initial_eval or None, "initial_eval_step": initial_step, "final_eval": final_eval,
+        "skipped_updates": int(run.engine.state.skipped), "reference_cache": run.inputs.reference_cache,
+        "seconds": round(time.time() - start_time, 1), "eval_seconds": round(run.eval_seconds, 1)})
+
+
+class StoppedEarly(Exception):
+    """A signal arrived during start-up: the run stops at the next stage boundary, before training."""
 
 
 def train(config: ml_collections.ConfigDict, *, stop_on_signals: bool = False) -> dict[str, Any]:
     """Runs (or resumes) training; returns a summary with the paths written. ``stop_on_signals`` (the CLI's
-    choice): SIGTERM / SIGINT save a checkpoint and stop at the next step; otherwise the caller's handlers stay."""
+    choice): SIGTERM / SIGINT, from the first moment on, save a checkpoint and stop at the next step (during start-up:
+    stop at the next stage, nothing half-written); otherwise the caller's handlers stay."""
     start_time = time.time()
+    signals = checkpoints.StopSignals() if stop_on_signals else checkpoints.NoSignals()
+    with signals as stop:
+        try:
+            return _train(config, stop, start_time)
+        except StoppedEarly:
+            log(f"{stop.requested} during start-up: stopped before training; no checkpoint was written (rerun the "
+                "same command to start)")
+            return {"stopped": stop.requested, "step": 0, "workdir": str(config.get("workdir", ""))}
+
+
+def _train(config: ml_collections.ConfigDict, stop, start_time: float) -> dict[str, Any]:
+    def stage() -> None:
+        if stop.requested:
+            raise StoppedEarly
+
     distributed.initialize(config.get("distributed"))
     spec = validate(config)
+    stage()
     Path(spec.workdir).mkdir(parents=True, exist_ok=True)
     lock = checkpoints.RunLock(Path(spec.workdir)) if jax.process_index() == 0 else contextlib.nullcontext()
-    signals = checkpoints.StopSignals() if stop_on_signals else checkpoints.NoSignals()
     with lock:
         if spec.train.resume:
             checkpoints.check_resumable(Path(spec.workdir), effective_config(config, spec))
-        return _train(setup(config, spec), signals, start_time)
+        run = setup(config, spec, stage)
+        try:
+            summary = _run(run, stop, start_time)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the error in flight is the one to report
+                run.checkpoints.close()
+            raise
+        run.checkpoints.close()
+        return summary
 
 
-def _train(run: Run, signals, start_time: float) -> dict[str, Any]:
+def _run(run: Run, stop, start_time: float) -> dict[str, Any]:
     resume(run)
-    with signals as stop, jax.set_mesh(run.engine.mesh), run.engine.rules_scope():
+    skips = Skips(run)
+    with jax.set_mesh(run.engine.mesh), run.engine.rules_scope():
         initial_eval = (run.evaluate(0) or None) if run.step == 0 else None
-        stop_reason = run_steps(run, stop)
+        stop_reason = run_steps(run, stop, skips)
         run.save(wait=True)
         if stop_reason:
             log(f"{stop_reason}: saved a checkpoint at step {run.step} in {run.workdir / 'checkpoints'}; rerun the "
                 "same command to resume")
             run.writer.close()
             return {"stopped": stop_reason, "step": run.step, "workdir": str(run.workdir)}
-        return summarise(run, initial_eval, start_time)
+        summary = summarise(run, initial_eval, start_time)
+        skips.check_share()
+        return summary

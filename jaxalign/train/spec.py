@@ -270,6 +270,8 @@ class TrainSpec:
     keep_checkpoints: int = 2
     nan_guard: bool = True
     nan_policy: str = "skip"
+    max_skip_streak: int = 10
+    max_skip_fraction: float = 0.1
     resume: bool = True
 
     def problems(self, run: RunSpec, num_devices: int) -> list[str]:
@@ -285,6 +287,10 @@ class TrainSpec:
             problems.append(f"train.nan_policy={self.nan_policy!r}; choose 'skip' (count and go on) or 'halt'")
         if self.nan_policy == "halt" and not self.nan_guard:
             problems.append("train.nan_policy='halt' needs train.nan_guard=True (the guard detects the bad update)")
+        if self.max_skip_streak < 0:
+            problems.append(f"train.max_skip_streak={self.max_skip_streak} must be >= 0 (0 = no limit)")
+        if not 0 <= self.max_skip_fraction <= 1:
+            problems.append(f"train.max_skip_fraction={self.max_skip_fraction} must be in [0, 1] (0 = no limit)")
         return problems
 
 

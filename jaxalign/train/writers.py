@@ -84,7 +84,7 @@ def write_run_files(workdir: str | Path, effective: dict, hf_tokenizer, model_co
         return
     from jaxalign.train.build import write_model_config
 
-    (Path(workdir) / "config.json").write_text(json.dumps(effective, indent=2))
+    _atomic_write(Path(workdir) / "config.json", json.dumps(effective, indent=2))
     hf_tokenizer.save_pretrained(str(Path(workdir) / "tokenizer"))
     write_model_config(Path(workdir), model_config)
 
@@ -92,15 +92,58 @@ def write_run_files(workdir: str | Path, effective: dict, hf_tokenizer, model_co
 def write_summary(workdir: str | Path, summary: dict) -> dict:
     """``summary.json`` in the run folder (process 0); returns ``summary``."""
     if jax.process_index() == 0:
-        (Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2))
+        _atomic_write(Path(workdir) / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl``. A torn last line (what a kill mid-write leaves) is skipped; any other line
+    that is not a JSON row is an error naming the file and the line."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text(errors="replace").split("\n")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not a row with an integer step")
+        except ValueError as err:
+            if number == len(lines):  # no newline after it: the write was cut
+                break
+            raise ValueError(f"{path}, line {number}: not a metrics row ({err})") from None
+        rows.append(row)
+    return rows
+
+
+def rewind_metrics(path: str | Path, step: int, *, final: bool = False) -> int:
+    """Before a run (re)starts at ``step``: drops a torn last line and every row after ``step`` (and, with
+    ``final``, the closing evaluation at ``step`` itself, which the run is about to repeat), so appending never
+    duplicates a step. Returns the number of rows dropped."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    rows = read_metrics(path)
+    kept = [r for r in rows if r["step"] < step or (r["step"] == step and not (final and r["split"] == "eval"))]
+    if len(kept) != len(rows) or not path.read_text(errors="replace").endswith("\n"):
+        _atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept))
+    return len(rows) - len(kept)
+
+
+def known_evaluations(path: str | Path) -> tuple[dict | None, dict | None]:
+    """(first, last) evaluation rows in ``metrics.jsonl`` (with their ``step``), or None."""
+    evals = [r for r in read_metrics(path) if r["split"] == "eval"]
+    strip = lambda r: {k: v for k, v in r.items() if k != "split"}  # noqa: E731
+    return (strip(evals[0]), strip(evals[-1])) if evals else (None, None)
 
 
 def plot_curves(metrics_path: str | Path, out: str | Path, title: str = "", metrics: tuple[str, ...] = ("loss",),
