@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -182,9 +183,38 @@ def cmd_data_toy(args) -> int:
     return 0
 
 
+class _OneLine(logging.Formatter):
+    """Library log records (Orbax, absl) as one line: the message without its traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname.lower()} ({record.name}): {record.getMessage().splitlines()[0][:500]}"
+
+
+def _one_line_library_logs() -> None:
+    """For ``jaxalign train``: what Orbax's and asyncio's background threads report after a failed save (a
+    traceback per write) becomes one line each; jaxalign's own error line comes last."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLine())
+    handler.setLevel(logging.WARNING)
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        logger.handlers, logger.propagate = [handler], False
+    logging.raiseExceptions = False  # a log line that cannot be written (disk full) is dropped, not printed
+    seen = set()
+
+    def unraisable(info) -> None:  # e.g. tensorstore callbacks reaching an event loop Orbax already closed
+        line = f"{type(info.exc_value).__name__}: {str(info.exc_value).splitlines()[0] if str(info.exc_value) else ''}"
+        if line not in seen:
+            seen.add(line)
+            print(f"warning (ignored in a background thread): {line}", file=sys.stderr)
+
+    sys.unraisablehook = unraisable
+
+
 def cmd_train(args) -> int:
     from jaxalign.train import load_config, train
 
+    _one_line_library_logs()
     config = load_config(args.config, args.overrides)
     summary = train(config, stop_on_signals=True)
     if summary.get("stopped"):
@@ -507,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         command = " ".join(filter(None, (args.command, getattr(args, "data_command", None),
                                          getattr(args, "config_command", None))))
         print(f"jaxalign {command}: error: {err}", file=sys.stderr)
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # nothing after the error line at exit
         return 2
     except KeyboardInterrupt:
         return 130

@@ -4,6 +4,8 @@ invalid configs, hostile files. Fuzzing of the record validators lives in test_f
 import os
 import pickle
 import random
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,6 +121,24 @@ def test_sigterm_checkpoints_exits_and_resumes_at_the_next_step(uninterrupted, t
 CKPT = ["--config.train.save_every=4", "--config.train.keep_checkpoints=3", "--config.eval.generate=0"]
 
 
+@pytest.mark.slow
+def test_sigterm_during_start_up_exits_0_with_nothing_half_made(tmp_path):
+    workdir = tmp_path / "starting"
+    process = start(workdir)
+    for line in process.stdout:  # the model is being built and compiled now
+        if line.startswith("mesh "):
+            break
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=300)[0]
+    assert process.returncode == 0, output
+    assert "SIGTERM during start-up: stopped before training; no checkpoint was written" in output
+    assert not checkpoints.has_checkpoints(workdir) and "Traceback" not in output
+    assert not list(workdir.rglob("*.tmp"))
+    process = start(workdir)  # and the same command then trains normally
+    output = process.communicate(timeout=600)[0]
+    assert process.returncode == 0 and "done" in output, output[-2000:]
+
+
 def test_half_written_final_checkpoint_is_replaced_and_export_uses_a_good_one(tmp_path, capsys):
     train(small_config("sft", tmp_path / "run", "--config.train.steps=8", *CKPT))
     for file in (tmp_path / "run" / "checkpoints" / "8").rglob("*"):
@@ -141,9 +161,21 @@ def flip(file: Path, at: float) -> None:
     file.write_bytes(bytes(data))
 
 
-def test_flipped_bytes_anywhere_in_the_latest_checkpoint_fall_back_and_train_identically(tmp_path):
-    train(small_config("sft", tmp_path / "reference", "--config.train.steps=8", *CKPT))
-    _, reference = final_params(tmp_path / "reference")
+@pytest.fixture(scope="module")
+def reference8(tmp_path_factory):
+    """The parameters after 8 uninterrupted steps of the CKPT run."""
+    workdir = tmp_path_factory.mktemp("reference8")
+    train(small_config("sft", workdir, "--config.train.steps=8", *CKPT))
+    return final_params(workdir)[1]
+
+
+def assert_params_equal(workdir: Path, reference) -> None:
+    _, params = final_params(workdir)
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(reference), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_flipped_bytes_anywhere_in_the_latest_checkpoint_fall_back_and_train_identically(tmp_path, reference8):
     run = tmp_path / "run"
     train(small_config("sft", run, "--config.train.steps=8", *CKPT))
     step8 = run / "checkpoints" / "8"
@@ -156,10 +188,47 @@ def test_flipped_bytes_anywhere_in_the_latest_checkpoint_fall_back_and_train_ide
                                                                 else which], at)
         with pytest.warns(UserWarning, match=r"checkpoint 8 in .* is broken \(.* does not match its content hash"):
             train(small_config("sft", run, "--config.train.steps=8", *CKPT))
-        _, params = final_params(run)
-        for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(reference), strict=True):
-            np.testing.assert_array_equal(x, y)
+        assert_params_equal(run, reference8)
     assert len(list((run / "broken-checkpoints").iterdir())) == len(targets)
+
+
+def disk_trouble(monkeypatch, at_step: int, how: str):
+    """From checkpoint ``at_step`` on: the disk reports almost no free space (``full``), or writes past 16 KiB fail in
+    the kernel (``io``: RLIMIT_FSIZE, so Orbax's background writes get EFBIG)."""
+    original = checkpoints.Checkpoints.save
+
+    def save(self, state, step, meta, *, wait=False):
+        if step >= at_step:
+            self.finish()  # the earlier save completes first
+            if how == "full":
+                monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda _p: shutil._ntuple_diskusage(
+                    10**9, 10**9 - 4096, 4096))
+            else:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (16384, resource.RLIM_INFINITY))
+        return original(self, state, step, meta, wait=wait)
+
+    monkeypatch.setattr(checkpoints.Checkpoints, "save", save)
+
+
+@pytest.mark.parametrize("how", ["full", "io"])
+def test_disk_full_or_io_error_is_one_line_and_the_rerun_finishes_identically(monkeypatch, tmp_path, capsys,
+                                                                               reference8, how):
+    run = tmp_path / "run"
+    command = ["train", "--config", "sft", *SMALL, f"--config.workdir={run}", "--config.train.steps=8", *CKPT]
+    disk_trouble(monkeypatch, 8, how)
+    try:
+        assert main(command) == 2
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    err = capsys.readouterr().err
+    reason = "No space left on device" if how == "full" else "File too large"
+    assert err.strip().splitlines()[-1].startswith(f"jaxalign train: error: could not save checkpoint 8 in {run}"
+                                                    f"/checkpoints: {reason}; it needs about 0.3 MiB and "), err
+    assert "the earlier checkpoints are intact (latest: step 4)" in err and "Traceback" not in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["4"]  # no temporary folder left
+    monkeypatch.undo()  # space freed
+    assert main(command) == 0
+    assert_params_equal(run, reference8)
 
 
 def test_no_good_checkpoint_stops_the_run_and_moves_nothing(tmp_path, capsys):

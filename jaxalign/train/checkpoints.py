@@ -125,6 +125,9 @@ class Checkpoints:
         self.finish()
         if step not in self.manager.all_steps():
             self._needed = state_bytes(state)
+            free = shutil.disk_usage(self.workdir).free
+            if free < self._needed:  # checked first: a save that cannot fit is not started
+                raise CheckpointWriteError(self._explain(step, os.strerror(errno.ENOSPC), free))
             try:
                 self.manager.save(step, args=ocp.args.Composite(
                     state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({"step": step, **meta})), force=True)
@@ -155,13 +158,15 @@ class Checkpoints:
         for tmp in self.folder.glob("*.orbax-checkpoint-tmp*"):
             shutil.rmtree(tmp, ignore_errors=True)
         self._unsealed = [s for s in self._unsealed if s != step]
-        free = shutil.disk_usage(self.folder).free if self.folder.exists() else 0
+        raise CheckpointWriteError(self._explain(step, reason, shutil.disk_usage(self.workdir).free)) from None
+
+    def _explain(self, step: int | None, reason: str, free: int) -> str:
         good = [s for s in self.steps() if s != step]
-        kept = f"the earlier checkpoints are intact (latest: step {good[-1]})" if good else "no earlier checkpoint"
-        raise CheckpointWriteError(
-            f"could not save checkpoint {step} in {self.folder}: {reason}; it needs about "
-            f"{self._needed / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free; {kept}. Free some space and "
-            "rerun the same command to resume.") from None
+        kept = (f"the earlier checkpoints are intact (latest: step {good[-1]})" if good else
+                "there is no earlier checkpoint")
+        return (f"could not save checkpoint {step} in {self.folder}: {reason}; it needs about "
+                f"{self._needed / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free; {kept}. Free some space and rerun "
+                "the same command: it resumes from the latest good checkpoint.")
 
     def restore_latest(self, state: TrainState) -> tuple[TrainState, dict] | None:
         """The newest checkpoint that verifies and restores into ``state``'s shapes and shardings; broken ones are
