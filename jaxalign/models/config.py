@@ -20,6 +20,12 @@ ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
 REMAT_POLICIES = ("nothing", "dots", "dots_no_batch")
 
 
+# Sane bounds for a decoder's sizes (far above any released model), checked before anything is built.
+SIZE_LIMITS = {"vocab_size": (1, 2**24), "hidden_size": (1, 2**16), "intermediate_size": (1, 2**20),
+               "num_layers": (1, 1024), "num_heads": (1, 1024), "num_kv_heads": (1, 1024), "head_dim": (0, 2**13),
+               "max_position_embeddings": (1, 2**26), "sliding_window": (0, 2**26)}
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling. ``rope_type``: ``default`` | ``linear`` | ``llama3``."""
@@ -72,6 +78,17 @@ class LlamaConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self):
+        out_of_range = [f"{name}={getattr(self, name)!r} must be an integer in [{low}, {high}]"
+                        for name, (low, high) in SIZE_LIMITS.items()
+                        if not (isinstance(getattr(self, name), int) and low <= getattr(self, name) <= high)]
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+                    and (name != "rms_norm_eps" or value < 1)):
+                out_of_range.append(f"{name}={value!r} must be a finite number "
+                                    + ("in (0, 1)" if name == "rms_norm_eps" else "> 0"))
+        if out_of_range:  # checked first: a hostile config.json must not divide by zero or build 10^9 layers
+            raise ValueError("invalid LlamaConfig: " + "; ".join(out_of_range))
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if isinstance(self.eos_token_id, list):

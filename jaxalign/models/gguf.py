@@ -69,10 +69,34 @@ def _open(path: str | os.PathLike):
     file = Path(path)
     if not file.is_file():
         raise CheckpointError(f"{path}: GGUF file not found")
+    _check_counts(file)
     try:
-        return GGUFReader(str(file))
-    except (ValueError, OSError) as err:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({err})") from None
+        reader = GGUFReader(str(file))
+    except Exception as err:  # the reader's IndexError / struct / KeyError on a cut or corrupt header
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0][:200] if str(err) else 'corrupt header'})") from None
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name in _INTEGER_TYPES:
+            raise CheckpointError(f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}; weights must be "
+                                  "floating point or a quantised type")
+    return reader
+
+
+_INTEGER_TYPES = {"I8", "I16", "I32", "I64"}
+
+
+def _check_counts(file: Path) -> None:
+    """The header's tensor and metadata counts must fit the file (each tensor record takes >= 33 bytes, each
+    key/value >= 14): a huge count in a small file is refused before the reader loops over it."""
+    size = file.stat().st_size
+    with file.open("rb") as handle:
+        head = handle.read(24)
+    if len(head) < 24 or head[:4] != b"GGUF":
+        raise CheckpointError(f"{file}: not a readable GGUF file (no GGUF magic in its first bytes, {size} bytes in all)")
+    n_tensors, n_kv = int.from_bytes(head[8:16], "little"), int.from_bytes(head[16:24], "little")
+    if n_tensors * 33 + n_kv * 14 > size:
+        raise CheckpointError(f"{file}: the header claims {n_tensors} tensors and {n_kv} metadata fields, more than "
+                              f"a {size}-byte file can hold (truncated or corrupt)")
 
 
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], *, dtype: str = "float32",

@@ -10,6 +10,7 @@ o: ``[H, hd, D]``); Hugging Face stores ``[out, in]``. ``hf_layout`` names the H
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -28,7 +29,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxalign.models.config import SUPPORTED_ARCHITECTURES, LlamaConfig, RopeScaling
-from jaxalign.models.factory import build_model
+from jaxalign.models.factory import abstract_model, build_model
 from jaxalign.models.llama import LlamaForCausalLM
 from jaxalign.parallel.mesh import Rules
 
@@ -112,10 +113,18 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype
         )
     except KeyError as err:
         raise CheckpointError(f"{source}: missing field {err.args[0]!r}") from None
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, OverflowError) as err:
         if isinstance(err, CheckpointError):
             raise
-        raise CheckpointError(f"{source}: {err}") from None
+        message = str(err)
+        for ours, theirs in _HF_FIELD_NAMES.items():
+            message = re.sub(rf"\b{ours}=", f"{theirs}=", message)
+        raise CheckpointError(f"{source}: {message}") from None
+
+
+# our config field -> the config.json field it comes from (for messages about a config.json)
+_HF_FIELD_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                   "num_kv_heads": "num_key_value_heads"}
 
 
 def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
@@ -227,8 +236,72 @@ def to_hf(kind: str, array: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------- loading
 
 
-def _safetensors_files(folder: Path) -> dict[str, Path]:
-    """Maps each tensor name to the safetensors file holding it."""
+# safetensors dtype -> bytes per element (the format's own names)
+_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_ST_FLOAT = {"F16", "BF16", "F32", "F64"}
+_MAX_HEADER = 100 * 2**20  # safetensors itself refuses headers over 100 MB
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """One tensor as a safetensors header describes it (checked against the file before any read)."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
+    """The tensors a safetensors file holds, validated against the file itself: header length within the file,
+    every dtype known, every shape a list of non-negative integers whose size matches its byte range, every range
+    inside the data section and none overlapping. Raises ``CheckpointError`` naming the file and the tensor."""
+    size = file.stat().st_size
+    with file.open("rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{file}: not a safetensors file ({size} bytes, shorter than its header length)")
+        length = int.from_bytes(prefix, "little")
+        if length > min(_MAX_HEADER, size - 8):
+            raise CheckpointError(f"{file}: the header claims {length} bytes but the file has {size - 8} after the "
+                                  "length field (truncated or not a safetensors file)")
+        raw = handle.read(length)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{file}: the safetensors header is not valid JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: the safetensors header is not a JSON object")
+    data_size = size - 8 - length
+    entries, ranges = {}, []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{file}: tensor {name}"
+        if not isinstance(info, dict) or info.get("dtype") not in _ST_ITEMSIZE:
+            raise CheckpointError(f"{where}: unknown dtype {info.get('dtype') if isinstance(info, dict) else info!r}")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
+            raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(n, int) for n in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data_size):
+            raise CheckpointError(f"{where}: data_offsets {offsets!r} lie outside the file's {data_size} data bytes "
+                                  "(truncated or corrupt)")
+        nbytes = math.prod(shape) * _ST_ITEMSIZE[info["dtype"]]
+        if offsets[1] - offsets[0] != nbytes:
+            raise CheckpointError(f"{where}: shape {tuple(shape)} of {info['dtype']} needs {nbytes} bytes but its "
+                                  f"data_offsets span {offsets[1] - offsets[0]}")
+        entries[name] = TensorEntry(file, info["dtype"], tuple(shape))
+        ranges.append((offsets[0], offsets[1], name))
+    ranges.sort()
+    for (_, end, first), (start, _, second) in zip(ranges, ranges[1:]):
+        if start < end:
+            raise CheckpointError(f"{file}: tensors {first} and {second} overlap in the file")
+    return entries
+
+
+def _safetensors_files(folder: Path) -> dict[str, TensorEntry]:
+    """Maps each tensor name to its (validated) entry in the safetensors file holding it."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -238,18 +311,38 @@ def _safetensors_files(folder: Path) -> dict[str, Path]:
         missing = sorted({f for f in weight_map.values() if not (folder / f).exists()})
         if missing:
             raise CheckpointError(f"{index} lists shard files that do not exist: {missing}")
-        return {name: folder / file for name, file in weight_map.items()}
+        headers = {file: read_safetensors_header(folder / file) for file in set(weight_map.values())}
+        absent = [name for name, file in weight_map.items() if name not in headers[file]]
+        if absent:
+            raise CheckpointError(f"{index} maps {absent[0]} to {weight_map[absent[0]]}, which does not hold it")
+        return {name: headers[file][name] for name, file in weight_map.items()}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
         hint = (f" ({', '.join(pickles)} are pickle files, which jaxalign does not load for security; convert "
                 "them to safetensors)" if pickles else "")
         raise CheckpointError(f"{folder}: no *.safetensors weights found{hint}")
-    names: dict[str, Path] = {}
+    names: dict[str, TensorEntry] = {}
     for file in files:
-        with safe_open(str(file), framework="numpy") as handle:
-            names.update(dict.fromkeys(handle.keys(), file))
+        names.update(read_safetensors_header(file))
     return names
+
+
+def check_weights(files: Mapping[str, TensorEntry], config: LlamaConfig, folder: Path) -> None:
+    """Every tensor ``config`` needs is in ``files`` with the shape it needs and a floating-point dtype."""
+    for our_path, variable in nnx.to_flat_state(nnx.state(abstract_model(config), nnx.Param)):
+        name, kind = hf_layout(our_path)
+        entry = files.get(name)
+        if entry is None:
+            raise CheckpointError(f"{folder}: tensor {name} is missing from the checkpoint "
+                                  f"(needed for parameter {'.'.join(map(str, our_path))})")
+        expected = hf_shape(kind, tuple(variable.shape))
+        if entry.shape != expected:
+            raise CheckpointError(f"{entry.file}: tensor {name} has shape {entry.shape} but the config needs "
+                                  f"{expected}")
+        if entry.dtype not in _ST_FLOAT:
+            raise CheckpointError(f"{entry.file}: tensor {name} has dtype {entry.dtype}; weights must be floating "
+                                  f"point ({', '.join(sorted(_ST_FLOAT))})")
 
 
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -279,24 +372,17 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, mes
                             param_dtype=jnp.dtype(param_dtype).name if param_dtype is not None else None,
                             source=str(folder / "config.json")).replace(**(config_overrides or {}))
     files = _safetensors_files(folder)
+    check_weights(files, config, folder)  # every needed tensor present, shaped and typed right: before any read
     handles: dict[Path, Any] = {}
     used: set[str] = set()
 
     def load_tensor(our_path: tuple, shape: tuple[int, ...]) -> np.ndarray:
         name, kind = hf_layout(our_path)
-        if name not in files:
-            raise CheckpointError(f"{folder}: tensor {name} is missing from the checkpoint "
-                                  f"(needed for parameter {'.'.join(map(str, our_path))})")
-        file = files[name]
+        file = files[name].file
         if file not in handles:
             handles[file] = safe_open(str(file), framework="numpy")
-        tensor = handles[file].get_tensor(name)
-        expected = hf_shape(kind, shape)
-        if tuple(tensor.shape) != expected:
-            raise CheckpointError(f"{file}: tensor {name} has shape {tuple(tensor.shape)} but the config "
-                                  f"needs {expected}")
         used.add(name)
-        return from_hf(kind, tensor, shape)
+        return from_hf(kind, handles[file].get_tensor(name), shape)
 
     try:
         model = build_model(config, load_tensor, mesh=mesh, rules=rules)
