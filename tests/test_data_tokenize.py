@@ -125,3 +125,34 @@ def test_sentencepiece_style_prefix_space_is_refused():
     backend.normalizer = normalizers.Prepend(" ")
     with pytest.raises(ValueError, match="prefix space"):
         Tokenizer(hf)
+
+
+# A template using what Hub templates use: namespace, loop controls, tojson, raise_exception, strftime_now-free
+# system defaults, {% generation %} (TRL's assistant-mask tag) and whitespace control.
+FEATURE_TEMPLATE = (
+    "{%- set ns = namespace(system='You are helpful.') -%}"
+    "{%- if messages[0]['role'] == 'system' %}{% set ns.system = messages[0]['content'] %}{% endif -%}"
+    "{{ bos_token }}<|system|>{{ ns.system }}\n"
+    "{%- for message in messages %}{% if message['role'] == 'system' %}{% continue %}{% endif %}"
+    "{% if message['role'] not in ['user', 'assistant'] %}{{ raise_exception('bad role') }}{% endif %}"
+    "{% if message['role'] == 'assistant' %}<|assistant|>{% generation %}{{ message['content'] | trim }}"
+    "{{ eos_token }}{% endgeneration %}\n{% else %}<|user|>{{ message['content'] }} {{ {'n': loop.index} | tojson }}"
+    "\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("template", [None, "chatml", "zephyr", FEATURE_TEMPLATE])
+def test_bounded_rendering_equals_apply_chat_template(family, template):
+    hf = make_tokenizer(family)
+    tok = Tokenizer(hf, TokenizeConfig(chat_template=template))
+    conversations = [
+        [{"role": "user", "content": "What is 2 + 3?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": " Hello! "}, {"role": "user", "content": "Joke?"},
+         {"role": "assistant", "content": "compile once, run everywhere"}],
+    ]
+    for messages in conversations:
+        for generation_prompt in (True, False):
+            expected = hf.apply_chat_template(messages, chat_template=tok.chat_template, tokenize=False,
+                                              add_generation_prompt=generation_prompt)
+            assert tok.render(messages, generation_prompt=generation_prompt) == expected

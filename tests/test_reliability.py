@@ -422,3 +422,63 @@ def test_load_sources_reports_unreadable_files(tmp_path):
     tok = Tokenizer(toy_tokenizer(), TokenizeConfig(max_length=64))
     with pytest.raises(DataError, match=r"bad.jsonl"):
         load_sources([tmp_path / "bad.jsonl"], tok, kind="sft")
+
+
+# ------------------------------------------------------------------------------------------ bounded records
+HUGE_RECORD = """
+import json, resource, sys, time
+from jaxalign.data import DataError, TokenizeConfig, Tokenizer, load_sources  # noqa
+from jaxalign.data.toy import toy_tokenizer
+tok = Tokenizer(toy_tokenizer(), TokenizeConfig(max_length=64))
+before, start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter()
+try:
+    load_sources([sys.argv[1]], tok, kind="sft")
+    message = ""
+except DataError as err:
+    message = str(err)
+print(json.dumps({"seconds": time.perf_counter() - start, "message": message,
+                  "grown": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024,
+                  "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def test_a_50_mb_record_is_rejected_fast_and_small(tmp_path):
+    import json
+
+    path = tmp_path / "huge.jsonl"
+    good = json.dumps({"prompt": "1+1=", "completion": "2"})
+    with path.open("w") as handle:
+        handle.write(good + "\n")
+        handle.write(json.dumps({"prompt": "x" * 50_000_000, "completion": "y"}) + "\n")  # one valid 50 MB record
+        handle.write(json.dumps({"prompt": "z" * 1_500_000, "completion": "y"}) + "\n")  # 1.5 M characters
+        handle.write(good + "\n")
+    done = subprocess.run([sys.executable, "-c", HUGE_RECORD, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert "2 invalid record(s)" in result["message"], result
+    assert "record 1, field '<record>': line 2 has 50000034 bytes, over data.max_record_chars=1000000" in (
+        result["message"])
+    assert "record 2, field '<record>': at least 1500" in result["message"]
+    assert result["seconds"] < 5 and result["peak"] < 2**30, result
+
+
+def test_hanging_and_hostile_templates_are_per_record_errors_within_the_time_limit(tmp_path):
+    records = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}] * 2
+    path = write_jsonl(records, tmp_path / "chat.jsonl")
+    cases = {
+        "{{ 'a' * 10**9 }}": "SecurityError: repeating 1 items 1000000000 times exceeds",
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}":
+            "did not finish within data.template_timeout=0.5 s",
+        "{% macro f(x) %}{{ f(x) }}{% endmacro %}{{ f(1) }}": "RecursionError",
+        "{% include 'other.jinja' %}": "include / import / extends",
+        "{% import 'macros.jinja' as m %}{{ m.x() }}": "include / import / extends",
+    }
+    for template, expected in cases.items():
+        tok = Tokenizer(toy_tokenizer(), TokenizeConfig(max_length=64, chat_template=template, template_timeout=0.5))
+        start = time.perf_counter()
+        with pytest.raises(DataError) as info:
+            load_sources([path], tok, kind="sft")
+        assert time.perf_counter() - start < 3 * 0.5 + 1, template  # two records, each stopped at its limit
+        for index in (0, 1):
+            assert f"record {index}, field '<record>': the chat template" in str(info.value), str(info.value)
+        assert expected in str(info.value), (template, str(info.value))

@@ -67,6 +67,20 @@ def _requested_kind(raw: Any, kind: str) -> str | None:
     return kind
 
 
+def count_chars(value: Any, limit: int) -> int:
+    """Characters in the strings (keys too) of a parsed record, counted until they pass ``limit``."""
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple)):
+            stack += item
+    return total
+
+
 def load_examples(path: str | os.PathLike, tok: Tokenizer, *, kind: str, on_invalid: str = "error",
                   max_listed: int = 20, exclude: Collection[int] = ()) -> tuple[list[dict], DataReport]:
     """Validates and tokenises every record of ``path`` for an objective needing ``kind`` examples, except the
@@ -80,7 +94,8 @@ def load_examples(path: str | os.PathLike, tok: Tokenizer, *, kind: str, on_inva
     source = str(path)
     report = DataReport(source)
     examples = []
-    for index, raw in read_records(path):
+    limit = tok.config.max_record_chars
+    for index, raw in read_records(path, max_record_chars=limit):
         report.total += 1
         if index in exclude:
             report.held_out += 1
@@ -88,6 +103,9 @@ def load_examples(path: str | os.PathLike, tok: Tokenizer, *, kind: str, on_inva
         try:
             if isinstance(raw, RecordError):
                 raise raw
+            if (chars := count_chars(raw, limit)) > limit:
+                raise RecordError(source, index, "<record>", f"at least {chars} characters, over "
+                                  f"data.max_record_chars={limit}")
             record = validate_record(raw, source=source, index=index, kind=_requested_kind(raw, kind))
             record = _as_kind(record, kind, tok)
             if record is None:

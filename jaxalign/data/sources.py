@@ -14,17 +14,18 @@ from jaxalign.data.schema import RecordError
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
-def read_records(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+def read_records(path: str | os.PathLike, *, max_record_chars: int | None = None) -> Iterator[tuple[int, Any]]:
     """Yields ``(index, record)``. A JSONL line that cannot be decoded or parsed is yielded as a ``RecordError``
     in place of the record (so the caller can skip it); a whole file that cannot be read raises. Indices count
-    records from 0 (JSONL: non-empty lines)."""
+    records from 0 (JSONL: non-empty lines). With ``max_record_chars``, a JSONL line over 4 bytes per allowed
+    character is an error without being decoded or held whole (the caller checks the parsed record's characters)."""
     location = Path(path)
     if not location.exists():
         raise FileNotFoundError(f"{path}: data file not found")
     if location.is_dir():
         yield from _read_saved_dataset(location)
     elif location.suffix == ".jsonl":
-        yield from _read_jsonl(location)
+        yield from _read_jsonl(location, None if max_record_chars is None else 4 * max_record_chars + 4096)
     elif location.suffix == ".json":
         yield from _read_json(location)
     elif location.suffix == ".parquet":
@@ -34,10 +35,34 @@ def read_records(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
                          "or a saved datasets folder)")
 
 
-def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+def _lines(handle, max_bytes: int | None) -> Iterator[tuple[bytes, int]]:
+    """(line, length in bytes); a line longer than ``max_bytes`` comes back empty-handed (``b""``) with its length,
+    read past in 1 MiB pieces so it is never held whole."""
+    while True:
+        line = handle.readline() if max_bytes is None else handle.readline(max_bytes + 1)
+        if not line:
+            return
+        if max_bytes is None or len(line) <= max_bytes or line.endswith(b"\n"):
+            yield line, len(line)
+            continue
+        length = len(line)
+        while not line.endswith(b"\n"):
+            line = handle.readline(2**20)
+            if not line:
+                break
+            length += len(line)
+        yield b"", length
+
+
+def _read_jsonl(path: Path, max_bytes: int | None = None) -> Iterator[tuple[int, Any]]:
     index = 0
     with path.open("rb") as handle:
-        for line_no, raw in enumerate(handle, 1):
+        for line_no, (raw, length) in enumerate(_lines(handle, max_bytes), 1):
+            if max_bytes is not None and length > max_bytes:
+                yield index, RecordError(str(path), index, "<record>", f"line {line_no} has {length} bytes, over "
+                                         f"data.max_record_chars={(max_bytes - 4096) // 4} characters")
+                index += 1
+                continue
             if not raw.strip():
                 continue
             try:

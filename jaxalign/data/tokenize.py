@@ -13,7 +13,11 @@ BOS tokens are collapsed. Standard (non-chat) completions get EOS appended once.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,13 +42,21 @@ class TokenizeConfig:
     """``max_length`` bounds prompt + completion; ``max_prompt_length`` (0 = none) bounds the prompt, which is cut
     by ``truncation`` (``keep_end``: keep the tokens nearest the completion, TRL's default; ``keep_start``).
     Completions are cut from the end; one left empty is an error, never silent. ``chat_template`` overrides
-    the tokenizer's (a Jinja string or ``chatml`` / ``zephyr``)."""
+    the tokenizer's (a Jinja string or ``chatml`` / ``zephyr``). ``max_record_chars`` bounds a record before it is
+    parsed or tokenised; ``template_timeout`` (seconds) and ``max_render_chars`` bound each template rendering."""
 
     max_length: int = 512
     max_prompt_length: int = 0
     truncation: str = "keep_end"
     chat_template: str | None = None
     add_eos: bool = True
+    max_record_chars: int = 1_000_000
+    template_timeout: float = 2.0
+
+    @property
+    def max_render_chars(self) -> int:
+        """The longest text a chat-template rendering may produce: twice a whole record, plus room for markup."""
+        return 2 * self.max_record_chars + 65536
 
     def __post_init__(self):
         if self.truncation not in TRUNCATIONS:
@@ -65,6 +77,7 @@ class Tokenizer:
         self.config = config
         template = config.chat_template
         self.chat_template = NAMED_TEMPLATES.get(template, template) if template else tokenizer.chat_template
+        self._template = None  # compiled on first use (bounded_template)
         self.bos_id = tokenizer.bos_token_id
         self.eos_id = tokenizer.eos_token_id
         probe = tokenizer("a")["input_ids"]
@@ -102,11 +115,27 @@ class Tokenizer:
         if self.chat_template is None:
             raise ValueError("the tokenizer has no chat template; set data.chat_template ('chatml', 'zephyr' or a "
                              "Jinja string) for conversational data")
+        limit = self.config.template_timeout
         try:
-            return self.hf.apply_chat_template(list(messages), chat_template=self.chat_template, tokenize=False,
-                                               add_generation_prompt=generation_prompt)
-        except jinja2.TemplateError as err:  # SecurityError too: templates run in Jinja's immutable sandbox
-            raise ValueError(f"the chat template failed ({type(err).__name__}: {err})") from None
+            with deadline(limit):
+                if self._template is None:
+                    self._template = bounded_template(self.chat_template, self.config.max_render_chars)
+                text = self._template.render(messages=list(messages), tools=None, documents=None,
+                                             add_generation_prompt=generation_prompt, **self.hf.special_tokens_map)
+        except RenderTimeout:
+            raise ValueError(f"the chat template did not finish within data.template_timeout={limit} s") from None
+        except RecursionError:
+            raise ValueError("the chat template failed (RecursionError: it recurses without end)") from None
+        except Exception as err:  # SecurityError, TemplateError, or whatever the template's own code raised
+            if isinstance(err, TypeError) and "no loader" in str(err):  # {% include %} / {% import %} / {% extends %}
+                raise ValueError("the chat template failed (it uses include / import / extends, which chat "
+                                 "templates cannot)") from None
+            message = str(err).splitlines()[0][:300] if str(err) else ""
+            raise ValueError(f"the chat template failed ({type(err).__name__}: {message})") from None
+        if len(text) > self.config.max_render_chars:
+            raise ValueError(f"the chat template produced {len(text)} characters, over the limit of "
+                             f"{self.config.max_render_chars} (2 x data.max_record_chars + 65536)")
+        return text
 
     def with_bos(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
         """Exactly one leading BOS when the tokenizer uses one (template BOS kept, duplicates removed)."""
@@ -118,6 +147,87 @@ class Tokenizer:
         if start == 0 and not self.adds_bos:
             return ids, mask
         return [self.bos_id, *ids[start:]], [0, *mask[start:]]
+
+
+def bounded_template(source: str, max_chars: int) -> jinja2.Template:
+    """``source`` compiled in the sandbox transformers renders chat templates in (its filters, globals and
+    ``{% generation %}`` tag, through an overlay of its environment), with ``*`` and ``**`` intercepted: a
+    repetition longer than ``max_chars`` or a power over 4096 bits is a ``SecurityError`` before it is computed
+    (Jinja would otherwise fold ``'a' * 10**9`` while compiling). Rendering it with ``messages``,
+    ``add_generation_prompt`` and the tokenizer's special tokens is what ``apply_chat_template(tokenize=False)``
+    does (tests/test_data_tokenize.py checks they agree)."""
+    from jinja2.sandbox import SecurityError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    env = _compile_jinja_template("").environment.overlay()  # never compiled unbounded: Jinja folds constants
+
+    def binop(_context, operator, left, right):
+        if operator == "**":
+            if isinstance(left, int) and isinstance(right, int) and right > 0 and (
+                    right > 4096 or abs(left).bit_length() * right > 4096):
+                raise SecurityError(f"{left} ** {right} is too large for a chat template")
+            return left ** right
+        for seq, count in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > max_chars:
+                raise SecurityError(f"repeating {len(seq)} items {count} times exceeds {max_chars}")
+        return left * right
+
+    env.intercepted_binops = frozenset({"*", "**"})
+    env.call_binop = binop
+    return env.from_string(source)
+
+
+class RenderTimeout(BaseException):
+    """Raised inside a rendering thread that passed its deadline (a BaseException, so no ``except Exception`` in
+    template or library code swallows it)."""
+
+
+class _Watchdog:
+    """One daemon thread that raises ``RenderTimeout`` in any thread still inside ``deadline()`` past its time
+    (through ``PyThreadState_SetAsyncExc``: Jinja's compiled loops are Python code, so they stop at the next
+    bytecode)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._deadlines: dict[int, float] = {}
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                for ident, due in list(self._deadlines.items()):
+                    if due <= now:
+                        del self._deadlines[ident]
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident),
+                                                                   ctypes.py_object(RenderTimeout))
+                soonest = min(self._deadlines.values(), default=None)
+                self._cond.wait(None if soonest is None else max(soonest - now, 0.001))
+
+    @contextlib.contextmanager
+    def limit(self, seconds: float):
+        ident = threading.get_ident()
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="jaxalign-template-watchdog", daemon=True)
+                self._thread.start()
+            self._deadlines[ident] = time.monotonic() + seconds
+            self._cond.notify()
+        try:
+            yield
+        finally:
+            with self._cond:
+                fired = self._deadlines.pop(ident, None) is None
+            if fired:  # the exception may still be pending: cancel it so it cannot surface after the render
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), None)
+
+
+_WATCHDOG = _Watchdog()
+
+
+def deadline(seconds: float):
+    """``with deadline(s):`` raises ``RenderTimeout`` in this thread if the block runs longer than ``s``."""
+    return _WATCHDOG.limit(seconds)
 
 
 def as_tokenizer(tokenizer, chat_template: str | None = None) -> Tokenizer:

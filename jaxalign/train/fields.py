@@ -39,6 +39,8 @@ HELP: dict[str, str] = {
     "data.truncation": "which end of a long prompt to keep: keep_end (TRL's default) or keep_start",
     "data.chat_template": "override the tokenizer's template: chatml, zephyr or a Jinja string",
     "data.on_invalid": "a bad record: error (list them and stop) or skip (count and go on)",
+    "data.max_record_chars": "a record with more characters is invalid (checked before parsing and tokenising)",
+    "data.template_timeout": "seconds one chat-template rendering may take before the record is invalid",
     "data.packing": "pack several examples (preference: whole pairs) into rows of data.row_length",
     "data.row_length": "with packing: tokens per packed row",
     "data.max_pairs_per_row": "with packing of preference data: pairs per row at most",

@@ -27,11 +27,12 @@ from jaxalign.train.spec import RunSpec, path_inside
 HELD_OUT_MAX = 500
 
 
-def held_out_indices(path: str, fraction: float, seed: int, batch_size: int) -> list[int]:
+def held_out_indices(path: str, fraction: float, seed: int, batch_size: int,
+                     max_record_chars: int | None = None) -> list[int]:
     """Record indices of ``path`` set aside for evaluation: ``fraction`` of them, at least one batch (the eval
     pipeline's) and at most ``HELD_OUT_MAX``, drawn from ``seed``; none when fewer than two batches would be left
     for training."""
-    indices = [index for index, _ in read_records(path)]
+    indices = [index for index, _ in read_records(path, max_record_chars=max_record_chars)]
     count = min(max(round(fraction * len(indices)), batch_size), HELD_OUT_MAX)
     if fraction <= 0 or len(indices) - count < batch_size:
         return []
@@ -78,10 +79,12 @@ def materialise_data(spec: RunSpec, workdir: Path) -> tuple[list[str], list[str]
             records = [r for r in toy_records(source[4:], data.toy_size, spec.seed) if question(r) not in held_out]
             source = str(write_jsonl(records, workdir / "data" / f"train_{source[4:]}.jsonl"))
         elif not data.eval:
-            skip = held_out_indices(source, data.eval_fraction, spec.seed + 2000 + i, spec.train.batch_size)
+            skip = held_out_indices(source, data.eval_fraction, spec.seed + 2000 + i, spec.train.batch_size,
+                                    data.max_record_chars)
             if skip:
                 chosen = set(skip)
-                records = [r for index, r in read_records(source) if index in chosen and isinstance(r, dict)]
+                records = [r for index, r in read_records(source, max_record_chars=data.max_record_chars)
+                           if index in chosen and isinstance(r, dict)]
                 eval_paths.append(str(write_jsonl(records, workdir / "data" / f"eval_heldout_{i}.jsonl")))
         train_paths.append(source)
         exclude.append(skip)
@@ -145,7 +148,8 @@ def _load(spec: RunSpec, engine, workdir: Path, staging: Path, log: Callable[[st
     if eval_sources:
         eval_pipeline = DataPipeline(eval_sources, kind, PipelineConfig(batch_size=spec.train.batch_size,
                                                                         shuffle=False, pad_id=pad_id), **hosts)
-        eval_records = [r for path in eval_paths for _, r in read_records(path) if isinstance(r, dict)]
+        eval_records = [r for path in eval_paths for _, r in read_records(path, max_record_chars=data.max_record_chars)
+                        if isinstance(r, dict)]
     return Inputs(pipeline, eval_pipeline, eval_records, cache)
 
 

@@ -107,6 +107,8 @@ class DataSpec:
     truncation: str = "keep_end"
     chat_template: str = ""
     on_invalid: str = "error"
+    max_record_chars: int = 1_000_000
+    template_timeout: float = 2.0
     packing: bool = False
     row_length: int = 0
     max_pairs_per_row: int = 8
@@ -114,7 +116,8 @@ class DataSpec:
 
     def tokenize_config(self) -> TokenizeConfig:
         return TokenizeConfig(max_length=self.max_length, max_prompt_length=self.max_prompt_length,
-                              truncation=self.truncation, chat_template=self.chat_template or None)
+                              truncation=self.truncation, chat_template=self.chat_template or None,
+                              max_record_chars=self.max_record_chars, template_timeout=self.template_timeout)
 
     def mixture_weights(self) -> tuple[float, ...] | None:
         return tuple(float(w) for w in self.weights.split(",")) if self.weights else None
@@ -123,6 +126,10 @@ class DataSpec:
         problems = []
         if self.on_invalid not in ("error", "skip"):
             problems.append(f"data.on_invalid={self.on_invalid!r}; choose 'error' or 'skip'")
+        if self.max_record_chars < 1:
+            problems.append(f"data.max_record_chars={self.max_record_chars} must be >= 1")
+        if not self.template_timeout > 0:
+            problems.append(f"data.template_timeout={self.template_timeout} must be > 0 seconds")
         if self.truncation not in TRUNCATIONS:
             problems.append(f"data.truncation={self.truncation!r}; choose one of {', '.join(TRUNCATIONS)}")
         if not 0 <= self.eval_fraction < 0.5:
