@@ -408,13 +408,29 @@ def test_config_paths_cannot_escape_the_run_folder(tmp_path):
         train(config)
     assert not (tmp_path / "run" / "checkpoints").exists()
     config = small_config("sft", tmp_path / "run2", "--config.data.train=toy:../../../etc/passwd")
-    with pytest.raises(ValueError, match=r"toy:../../../etc/passwd is unknown"):
+    with pytest.raises(ConfigError, match=r"toy:../../../etc/passwd is unknown"):
         train(config)
+    assert not (tmp_path / "run2").exists()  # refused before anything was written
     assert not list(tmp_path.rglob("*passwd*"))
     inside = small_config("dpo", tmp_path / "run3", "--config.train.steps=2", "--config.eval.generate=0",
                           "--config.reference.kind=precomputed", "--config.reference.cache_dir=cache/ref")
     train(inside)
     assert list((tmp_path / "run3" / "cache" / "ref").glob("*.npz"))
+
+
+@pytest.mark.parametrize("link", ["checkpoints", "data", "metrics.jsonl", "checkpoints/4"])
+def test_a_link_out_of_the_run_folder_is_refused_before_anything_is_written(tmp_path, link):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    if "/" in link:
+        (run / "checkpoints").mkdir()
+    (run / link).symlink_to(outside)
+    with pytest.raises(checkpoints.RunFolderError, match=rf"{link} is a link to {outside}, outside the run folder"):
+        train(small_config("sft", run, "--config.train.steps=2"))
+    assert [p.name for p in run.iterdir()] == [link.split("/")[0]]
+    assert not list(outside.iterdir())
 
 
 def test_load_sources_reports_unreadable_files(tmp_path):

@@ -319,6 +319,23 @@ RUN_FILES = ("checkpoints", BROKEN, "metrics.jsonl", "summary.json", "tensorboar
              "model_config.json", "tokenizer", "data")
 
 
+def check_links(workdir: Path) -> None:
+    """Refuses a run folder with a symbolic link (at its top level, or inside ``checkpoints/``, ``data/`` or
+    ``tokenizer/``) that leads outside it: the run would write, and keep-N would delete, through it."""
+    root = Path(workdir).resolve()
+    if not root.is_dir():
+        return
+    entries = [*root.iterdir()]
+    for sub in ("checkpoints", "data", "tokenizer", BROKEN):
+        if (root / sub).is_dir() and not (root / sub).is_symlink():
+            entries += (root / sub).iterdir()
+    for entry in entries:
+        if entry.is_symlink() and not entry.resolve().is_relative_to(root):
+            raise RunFolderError(f"{entry} is a link to {entry.resolve()}, outside the run folder {root}; a run "
+                                 "writes and deletes only inside its folder: remove the link or give another "
+                                 "--config.workdir")
+
+
 def has_checkpoints(workdir: Path) -> bool:
     folder = Path(workdir) / "checkpoints"
     return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -233,12 +234,20 @@ def _train(config: ml_collections.ConfigDict, stop, start_time: float) -> dict[s
     distributed.initialize(config.get("distributed"))
     spec = validate(config)
     stage()
-    Path(spec.workdir).mkdir(parents=True, exist_ok=True)
-    lock = checkpoints.RunLock(Path(spec.workdir)) if jax.process_index() == 0 else contextlib.nullcontext()
+    workdir = Path(spec.workdir)
+    checkpoints.check_links(workdir)
+    created = not workdir.exists()
+    workdir.mkdir(parents=True, exist_ok=True)
+    lock = checkpoints.RunLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
     with lock:
-        if spec.train.resume:
-            checkpoints.check_resumable(Path(spec.workdir), effective_config(config, spec))
-        run = setup(config, spec, stage)
+        try:
+            if spec.train.resume:
+                checkpoints.check_resumable(workdir, effective_config(config, spec))
+            run = setup(config, spec, stage)
+        except BaseException:
+            if created and jax.process_index() == 0:  # a folder this call made, before any training: leave nothing
+                shutil.rmtree(workdir, ignore_errors=True)
+            raise
         try:
             summary = _run(run, stop, start_time)
         except BaseException:

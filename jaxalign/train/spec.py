@@ -21,6 +21,7 @@ import jax
 import ml_collections
 
 from jaxalign.data.tokenize import TRUNCATIONS, TokenizeConfig
+from jaxalign.data.toy import GENERATORS
 from jaxalign.hub import is_repo_id
 from jaxalign.models.lora import TARGETS as LORA_TARGETS
 from jaxalign.models.lora import LoRAConfig
@@ -138,6 +139,13 @@ class DataSpec:
             problems.append(f"data.max_length={self.max_length} must be at least 2")
         if not any(self.train.split(",")):
             problems.append("data.train is empty: give one or more files (comma-separated) or toy:NAME")
+        for field, value in (("data.train", self.train), ("data.eval", self.eval)):
+            for source in filter(None, value.split(",")):
+                if source.startswith("toy:") and source[4:] not in GENERATORS:
+                    problems.append(f"{field}: data source {source} is unknown; choose one of "
+                                    f"{', '.join(f'toy:{n}' for n in GENERATORS)}")
+                elif not source.startswith(("toy:", "hf:")) and not Path(source).exists():
+                    problems.append(f"{field}: {source}: data file not found")
         if self.weights:
             try:
                 weights = self.mixture_weights()
