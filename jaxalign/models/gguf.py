@@ -92,7 +92,8 @@ def _check_counts(file: Path) -> None:
     with file.open("rb") as handle:
         head = handle.read(24)
     if len(head) < 24 or head[:4] != b"GGUF":
-        raise CheckpointError(f"{file}: not a readable GGUF file (no GGUF magic in its first bytes, {size} bytes in all)")
+        raise CheckpointError(f"{file}: not a readable GGUF file (no GGUF magic in its first bytes, {size} bytes "
+                              "in all)")
     n_tensors, n_kv = int.from_bytes(head[8:16], "little"), int.from_bytes(head[16:24], "little")
     if n_tensors * 33 + n_kv * 14 > size:
         raise CheckpointError(f"{file}: the header claims {n_tensors} tensors and {n_kv} metadata fields, more than "

@@ -11,6 +11,7 @@ o: ``[H, hd, D]``); Hugging Face stores ``[out, in]``. ``hf_layout`` names the H
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -294,7 +295,7 @@ def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
         entries[name] = TensorEntry(file, info["dtype"], tuple(shape))
         ranges.append((offsets[0], offsets[1], name))
     ranges.sort()
-    for (_, end, first), (start, _, second) in zip(ranges, ranges[1:]):
+    for (_, end, first), (start, _, second) in itertools.pairwise(ranges):
         if start < end:
             raise CheckpointError(f"{file}: tensors {first} and {second} overlap in the file")
     return entries

@@ -26,7 +26,6 @@ import orbax.checkpoint as ocp
 
 from jaxalign.train.step import TrainState
 
-
 MANIFEST = "jaxalign-manifest.json"
 BROKEN = "broken-checkpoints"
 # The errno values of a save that failed for lack of room or a failing disk.
@@ -111,8 +110,9 @@ class Checkpoints:
     def __init__(self, workdir: Path, keep: int):
         self.workdir = Path(workdir)
         self.folder = (self.workdir / "checkpoints").resolve()
+        # cleanup_tmp_directories: the temporary folder of a save that was killed or failed is removed at start
         self.manager = ocp.CheckpointManager(self.folder, options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=True))
+            max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True))
         self._unsealed: list[int] = []
         self._needed = 0
 
@@ -165,8 +165,8 @@ class Checkpoints:
         kept = (f"the earlier checkpoints are intact (latest: step {good[-1]})" if good else
                 "there is no earlier checkpoint")
         return (f"could not save checkpoint {step} in {self.folder}: {reason}; it needs about "
-                f"{self._needed / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free; {kept}. Free some space and rerun "
-                "the same command: it resumes from the latest good checkpoint.")
+                f"{self._needed / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free; {kept}. Free some space and "
+                "rerun the same command: it resumes from the latest good checkpoint.")
 
     def restore_latest(self, state: TrainState) -> tuple[TrainState, dict] | None:
         """The newest checkpoint that verifies and restores into ``state``'s shapes and shardings; broken ones are

@@ -142,7 +142,7 @@ def rewind_metrics(path: str | Path, step: int, *, final: bool = False) -> int:
 def known_evaluations(path: str | Path) -> tuple[dict | None, dict | None]:
     """(first, last) evaluation rows in ``metrics.jsonl`` (with their ``step``), or None."""
     evals = [r for r in read_metrics(path) if r["split"] == "eval"]
-    strip = lambda r: {k: v for k, v in r.items() if k != "split"}  # noqa: E731
+    strip = lambda r: {k: v for k, v in r.items() if k != "split"}
     return (strip(evals[0]), strip(evals[-1])) if evals else (None, None)
 
 
