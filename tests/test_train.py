@@ -193,11 +193,11 @@ def test_corrupt_latest_checkpoint_falls_back_with_a_warning(tmp_path):
     for file in latest.rglob("*"):
         if file.is_file() and "state" in str(file):
             file.write_bytes(b"garbage")
-    with pytest.warns(UserWarning, match="checkpoint 8 could not be restored"):
+    with pytest.warns(UserWarning, match=r"checkpoint 8 in .* is broken"):
         summary = train(small_config("sft", tmp_path / "run", "--config.train.steps=10", *extra))
     assert summary["step"] == 10
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r["split"] == "train"][-2:] == [5, 10]  # resumed at 4, logged from 5 on
+    assert [r["step"] for r in rows if r["split"] == "train"] == [5, 10]  # resumed at 4: the first run's 5, 8 dropped
 
 
 def test_remat_gives_the_same_loss_and_gradients():

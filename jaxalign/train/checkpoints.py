@@ -186,6 +186,10 @@ class Checkpoints:
                     for bad in problems:
                         self._set_aside(bad[0])
                     if problems:
+                        if jax.process_count() > 1:  # every process sees the folder after process 0 moved steps
+                            from jax.experimental import multihost_utils
+
+                            multihost_utils.sync_global_devices("jaxalign-checkpoints-set-aside")
                         self.manager.reload()
                     return TrainState(*restored.state), restored.meta
             warnings.warn(f"checkpoint {step} in {self.folder} is broken ({problem}); trying an older one",
