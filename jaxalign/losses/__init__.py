@@ -3,6 +3,7 @@
 Nothing here runs a model or touches I/O; ``jaxalign.objectives`` runs the forward passes and calls these.
 """
 
+from jaxalign.losses.grpo import GRPO_LOSS_TYPES, group_advantages, grpo, grpo_terms
 from jaxalign.losses.ift import ift, ift_weights, reverse_discounted_cumsum
 from jaxalign.losses.logps import (
     fused_head_logps,
@@ -17,9 +18,13 @@ from jaxalign.losses.sft import sft
 
 __all__ = [
     "DPO_LOSS_TYPES",
+    "GRPO_LOSS_TYPES",
     "dpo",
     "fused_head_logps",
     "greedy_from_hidden",
+    "group_advantages",
+    "grpo",
+    "grpo_terms",
     "ift",
     "ift_weights",
     "log1mexp",
