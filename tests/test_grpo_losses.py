@@ -256,13 +256,13 @@ def test_group_advantages_equal_trl(scale_rewards, estimator, group_size):
 def test_bad_options_name_what_is_wrong():
     logps, old, _, mask, rewards = batch()
     args = (jnp.asarray(logps), jnp.asarray(old), jnp.zeros(N), jnp.asarray(mask))
-    with pytest.raises(ValueError, match="importance_sampling_level='sequence' .* needs loss_type='grpo'"):
+    with pytest.raises(ValueError, match=r"importance_sampling_level='sequence' .* needs loss_type='grpo'"):
         grpo(*args, loss_type="dapo", importance_sampling_level="sequence")
-    with pytest.raises(ValueError, match="dr_grpo.*max_completion_length"):
+    with pytest.raises(ValueError, match=r"dr_grpo.*max_completion_length"):
         grpo(*args, loss_type="dr_grpo")
-    with pytest.raises(ValueError, match="beta > 0 needs ref_logps"):
+    with pytest.raises(ValueError, match=r"beta > 0 needs ref_logps"):
         grpo(*args, beta=0.1)
-    with pytest.raises(ValueError, match="loss_type='ppo'"):
+    with pytest.raises(ValueError, match=r"loss_type='ppo'"):
         grpo(*args, loss_type="ppo")
     with pytest.raises(ValueError, match="do not split into groups of 3"):
         group_advantages(jnp.asarray(rewards), 3)

@@ -52,10 +52,8 @@ def group_advantages(rewards: jax.Array, group_size: int, *, scale_rewards: str 
     if rewards.ndim != 1 or group_size < 1 or rewards.shape[0] % group_size:
         raise ValueError(f"rewards of shape {rewards.shape} do not split into groups of {group_size}")
     grouped = rewards.reshape(-1, group_size)
-    if group_size > 1:
-        group_std = _nanstd(grouped, axis=1, keepdims=True)
-    else:
-        group_std = jnp.zeros((grouped.shape[0], 1))
+    group_std = (_nanstd(grouped, axis=1, keepdims=True) if group_size > 1 else
+                 jnp.zeros((grouped.shape[0], 1)))
     if estimator == "grpo":
         advantages = grouped - _nanmean(grouped, axis=1, keepdims=True)
         if scale_rewards == "group":
@@ -185,7 +183,7 @@ def grpo(logps: jax.Array, old_logps: jax.Array, advantages: jax.Array, loss_mas
     """
     numerator, denominator, sums = grpo_terms(
         logps, old_logps, advantages, loss_mask, ref_logps=ref_logps, beta=beta, epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high, delta=delta, loss_type=loss_type, importance_sampling_level=importance_sampling_level,
-        max_completion_length=max_completion_length)
+        epsilon_high=epsilon_high, delta=delta, loss_type=loss_type,
+        importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length)
     metrics = {name: total / jnp.maximum(count, 1.0) for name, (total, count) in sums.items()}
     return numerator / jnp.maximum(denominator, 1.0), metrics
