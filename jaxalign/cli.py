@@ -378,8 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr = commands.add_parser("train", help="train a model (default: a tiny Llama on toy arithmetic with IFT)",
                              description="Train with a config file; any field can be overridden with "
                                          "--config.FIELD=VALUE (e.g. --config.optim.lr=1e-5). Bundled configs: "
-                                         "default, sft, ift, dpo, simpo, orpo, mpo; add :PRESET for a model preset "
-                                         "(tiny, smollm2, llama3_8b, qwen25_7b), e.g. --config dpo:smollm2. "
+                                         "default, sft, ift, dpo, simpo, orpo, mpo, grpo; add :PRESET for a model "
+                                         "preset (tiny, smollm2, llama3_8b, qwen25_7b), e.g. --config dpo:smollm2. "
                                          "Interrupting (SIGTERM / Ctrl-C) saves a checkpoint; rerunning resumes.")
     tr.add_argument("--config", default="default", help="config name or .py path, optionally :PRESET")
     tr.set_defaults(func=cmd_train)
@@ -498,7 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "tokens highlighted, length statistics and invalid records.")
     inspect.add_argument("file", help="JSONL / JSON / Parquet file or saved datasets folder")
     inspect.add_argument("--tokenizer", default="toy", help="model folder or .gguf whose tokenizer to use, or 'toy'")
-    inspect.add_argument("--objective", default="sft", choices=list(OBJECTIVES))
+    inspect.add_argument("--objective", default="sft",
+                         choices=[name for name, o in OBJECTIVES.items() if o.data_kind != "prompt"])
     inspect.add_argument("--max-length", type=int, default=512)
     inspect.add_argument("--max-prompt-length", type=int, default=0)
     inspect.add_argument("--chat-template", help="override: 'chatml', 'zephyr' or a Jinja string")

@@ -28,7 +28,7 @@ def small_config(name, workdir, *extra):
 
 # ----------------------------------------------------------------------------------------------- configs
 def test_bundled_configs_load_and_validate():
-    for name in ("default", "sft", "ift", "dpo", "simpo", "orpo", "mpo"):
+    for name in ("default", "sft", "ift", "dpo", "simpo", "orpo", "mpo", "grpo"):
         config = load_config(name)
         validate(config, num_devices=8)
     assert load_config("default").objective.name == "ift"

@@ -7,6 +7,7 @@ sum) and divides by the summed counts: the exact full-batch mean.
 """
 
 from jaxalign.objectives.common import Metric
+from jaxalign.objectives.grpo import GRPOParams
 from jaxalign.objectives.ift import IFTParams, ift_lambda, mixed_embeddings
 from jaxalign.objectives.mpo import MPOParams, pool_hidden
 from jaxalign.objectives.preference import DPOParams, ORPOParams, SimPOParams
@@ -16,6 +17,7 @@ from jaxalign.objectives.sft import SFTParams
 __all__ = [
     "OBJECTIVES",
     "DPOParams",
+    "GRPOParams",
     "IFTParams",
     "MPOParams",
     "Metric",

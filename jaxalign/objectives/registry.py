@@ -12,14 +12,15 @@ import difflib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jaxalign.objectives import ift, mpo, preference, sft
+from jaxalign.objectives import grpo, ift, mpo, preference, sft
 
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
     """``fn(model, batch, hparams, *, reference=None, step=0, rng=None) -> (loss, metrics)``.
 
-    ``data_kind``: the examples it trains on (``sft``, ``preference``, ``mpo``); ``rows_per_example``: sequences
+    ``data_kind``: the examples it trains on (``sft``, ``preference``, ``mpo``; ``prompt``: prompts it samples
+    completions for, online); ``rows_per_example``: sequences
     per example in the forward pass (chosen + rejected; MPO: both languages); ``uses_reference``: needs a frozen
     reference (unless its params say ``reference_free``); ``console``: the headline metrics, shown on the log
     line and drawn in ``curves.png``;
@@ -48,6 +49,9 @@ OBJECTIVES: dict[str, Objective] = {
     "mpo": Objective(mpo.mpo, mpo.MPOParams, "mpo", 4, uses_reference=True,
                      console=("loss", "mpo/gap_loss", "rewards/accuracies"), packing=False,
                      packing_note="its preservation term pools hidden states per sequence"),
+    "grpo": Objective(grpo.grpo, grpo.GRPOParams, "prompt", 1, uses_reference=True,
+                      console=("loss", "reward", "completion/mean_length"), packing=False,
+                      packing_note="it trains on completions it samples"),
 }
 
 

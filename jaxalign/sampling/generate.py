@@ -73,14 +73,29 @@ def cache_bucket(length: int) -> int:
     return size
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cache_length", "greedy", "top_k", "nucleus", "pad_id"))
+def repeat_rows(cache: KVCache, times: int) -> KVCache:
+    """``cache`` with each row repeated ``times`` times (rows ``b*times + s``): one prefill serving several
+    samples."""
+    def rep(x):
+        return jnp.repeat(x, times, axis=0)
+
+    return KVCache(keys=tuple(map(rep, cache.keys)), values=tuple(map(rep, cache.values)), valid=rep(cache.valid),
+                   index=cache.index, lengths=rep(cache.lengths))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_length", "greedy", "top_k", "nucleus", "pad_id",
+                                             "num_samples"))
 def _generate(graphdef, state, prompt_tokens, prompt_mask, key, max_new_tokens, temperature, top_p, eos_ids,
               stop_below, *,
-              cache_length: int, greedy: bool, top_k: int, nucleus: bool, pad_id: int) -> Generation:
+              cache_length: int, greedy: bool, top_k: int, nucleus: bool, pad_id: int,
+              num_samples: int = 1) -> Generation:
     model = nnx.merge(graphdef, state)
-    batch, prompt_len = prompt_tokens.shape
+    prompts, prompt_len = prompt_tokens.shape
     room = cache_length - prompt_len
-    out = model(prompt_tokens, prompt_mask, cache=KVCache.init(model.config, batch, cache_length))
+    out = model(prompt_tokens, prompt_mask, cache=KVCache.init(model.config, prompts, cache_length))
+    batch = prompts * num_samples  # each prompt's KV cache is computed once and shared by its samples
+    prefill_cache = out.cache if num_samples == 1 else repeat_rows(out.cache, num_samples)
+    first_logits = jnp.repeat(out.logits[:, -1], num_samples, axis=0)
 
     def cond(carry):
         step, done = carry[0], carry[6]
@@ -104,7 +119,7 @@ def _generate(graphdef, state, prompt_tokens, prompt_mask, key, max_new_tokens, 
         step_out = model(next_token[:, None], jnp.ones((batch, 1), bool), cache=cache)
         return step + 1, step_out.cache, step_out.logits[:, -1], tokens, logps, top1, done, lengths, key
 
-    carry = (jnp.zeros((), jnp.int32), out.cache, out.logits[:, -1], jnp.full((batch, room), pad_id, jnp.int32),
+    carry = (jnp.zeros((), jnp.int32), prefill_cache, first_logits, jnp.full((batch, room), pad_id, jnp.int32),
              jnp.zeros((batch, room), jnp.float32), jnp.zeros((batch, room), jnp.float32), jnp.zeros((batch,), bool),
              jnp.zeros((batch,), jnp.int32), key)
     result = jax.lax.while_loop(cond, body, carry)
@@ -114,7 +129,8 @@ def _generate(graphdef, state, prompt_tokens, prompt_mask, key, max_new_tokens, 
 def sample(model: LlamaForCausalLM, prompt_tokens, *, prompt_mask=None, max_new_tokens: int,
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, eos_id: int | tuple[int, ...] | None = None,
            pad_id: int = 0, seed: int = 0, num_samples: int = 1, stop_below: float = 0.0) -> Generation:
-    """Continues left-padded prompts ``[B, T]``; ``num_samples`` draws per prompt (rows ``b*num_samples + s``).
+    """Continues left-padded prompts ``[B, T]``; ``num_samples`` draws per prompt (rows ``b*num_samples + s``),
+    all from one prefill of each prompt (its KV cache and first logits repeated, not recomputed).
 
     Returns a ``Generation`` with ``[B * num_samples, max_new_tokens]`` arrays. After a row emits an ``eos_id``
     (one id or several) the rest of the row is ``pad_id``; the loop stops once every row is done. With
@@ -134,8 +150,6 @@ def sample(model: LlamaForCausalLM, prompt_tokens, *, prompt_mask=None, max_new_
         raise ValueError(f"prompt_mask shape {mask.shape} differs from prompt_tokens shape {prompt_tokens.shape}")
     if not mask[:, -1].all():
         raise ValueError("prompts must be left-padded: the last column of prompt_mask must be 1 in every row")
-    if num_samples > 1:
-        prompt_tokens, mask = np.repeat(prompt_tokens, num_samples, 0), np.repeat(mask, num_samples, 0)
     eos_ids = eos_id if isinstance(eos_id, tuple | list) else (eos_id,)
     eos = (-1,) if eos_id is None else tuple(int(e) for e in eos_ids)
     graphdef, state = nnx.split(model)
@@ -143,7 +157,7 @@ def sample(model: LlamaForCausalLM, prompt_tokens, *, prompt_mask=None, max_new_
                     jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(temperature, jnp.float32),
                     jnp.asarray(top_p, jnp.float32), jnp.asarray(eos, jnp.int32), jnp.asarray(stop_below, jnp.float32),
                     cache_length=cache_bucket(prompt_tokens.shape[1] + max_new_tokens), greedy=temperature == 0.0,
-                    top_k=int(top_k), nucleus=top_p < 1.0, pad_id=int(pad_id))
+                    top_k=int(top_k), nucleus=top_p < 1.0, pad_id=int(pad_id), num_samples=int(num_samples))
     return Generation(*(x[:, :max_new_tokens] for x in out[:3]), out.lengths)
 
 

@@ -243,9 +243,14 @@ def _train(config: ml_collections.ConfigDict, stop, start_time: float) -> dict[s
         try:
             if spec.train.resume:
                 checkpoints.check_resumable(workdir, effective_config(config, spec))
+            if spec.objective.name == "grpo":
+                from jaxalign.rl.trainer import train_grpo
+
+                return train_grpo(config, spec, workdir, stop, stage, start_time, log)
             run = setup(config, spec, stage)
         except BaseException:
-            if created and jax.process_index() == 0:  # a folder this call made, before any training: leave nothing
+            started = (workdir / "config.json").exists() or (workdir / "sft").exists()
+            if created and not started and jax.process_index() == 0:  # failed during start-up: leave nothing
                 shutil.rmtree(workdir, ignore_errors=True)
             raise
         try:

@@ -212,6 +212,9 @@ class ReferenceSpec:
         if run.objective.uses_reference and self.kind not in ("model", "precomputed"):
             problems.append(f"reference.kind={self.kind!r}: {run.objective.name} needs a reference; use 'model' or "
                             "'precomputed' (or objective.params.reference_free=True for DPO)")
+        if run.objective.name == "grpo" and self.kind == "precomputed":
+            problems.append("reference.kind='precomputed' cannot serve GRPO: its completions are sampled during "
+                            "training; use reference.kind='model'")
         if self.cache_dir:
             try:
                 path_inside(run.workdir, self.cache_dir, "reference.cache_dir")
@@ -302,6 +305,16 @@ class TrainSpec:
             problems.append(f"train.nan_policy={self.nan_policy!r}; choose 'skip' (count and go on) or 'halt'")
         if self.nan_policy == "halt" and not self.nan_guard:
             problems.append("train.nan_policy='halt' needs train.nan_guard=True (the guard detects the bad update)")
+        params = run.objective.params
+        if run.objective.name == "grpo" and params is not None:
+            rows = params.prompts_per_step * params.num_generations // params.steps_per_generation
+            if self.batch_size != rows:
+                problems.append(f"train.batch_size={self.batch_size}: a GRPO step trains on prompts_per_step x "
+                                f"num_generations / steps_per_generation = {rows} completions; set "
+                                f"train.batch_size={rows}")
+            if run.lora.enabled and not run.model.path:
+                problems.append("GRPO with LoRA needs a base model: set model.path (e.g. an exported SFT run); the "
+                                "SFT start (objective.params.sft_steps) trains a full model")
         if self.max_skip_streak < 0:
             problems.append(f"train.max_skip_streak={self.max_skip_streak} must be >= 0 (0 = no limit)")
         if not 0 <= self.max_skip_fraction <= 1:

@@ -1,0 +1,101 @@
+"""GRPO-family objective: one forward pass over prompt + sampled completion, ``losses.grpo_terms`` on the
+completion tokens. The rollouts, rewards and advantages that fill the batch come from ``jaxalign.rl.trainer``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxalign import losses
+from jaxalign.losses.grpo import ESTIMATORS, SCALE_REWARDS, check_grpo_options
+from jaxalign.objectives.common import EngineParams, Metric, policy_token_logps, require
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOParams(EngineParams):
+    """The loss (TRL 1.16's names and defaults: ``loss_type="dapo"``, ``beta=0``, ``epsilon=0.2``), the rollouts
+    and the rewards of a GRPO-family run; ``docs/grpo.md`` describes every field.
+
+    ``delta=0`` turns two-sided clipping off. ``steps_per_generation``: optimizer steps per generation batch (each
+    on an equal share of its completions); ``num_iterations``: passes over each generation batch (TRL's mu).
+    ``sft_steps``: for a randomly initialised model (no ``model.path``), SFT steps on the same data first, in the
+    same run folder (``sft/``), so the policy can already answer."""
+
+    loss_type: str = "dapo"
+    beta: float = 0.0
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float = 0.0
+    importance_sampling_level: str = "token"
+    scale_rewards: str = "group"
+    estimator: str = "grpo"
+    num_generations: int = 8
+    prompts_per_step: int = 8
+    max_completion_length: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    num_iterations: int = 1
+    steps_per_generation: int = 1
+    rewards: str = "exact_number"
+    reward_weights: str = ""
+    samples_every: int = 25
+    sft_steps: int = 0
+
+    @property
+    def reference_free(self) -> bool:  # the frozen reference is held only for the KL term
+        return self.beta == 0.0
+
+    def __post_init__(self):
+        check_grpo_options(self.loss_type, self.importance_sampling_level, self.max_completion_length)
+        problems = []
+        if self.scale_rewards not in SCALE_REWARDS:
+            problems.append(f"scale_rewards={self.scale_rewards!r}; choose one of {SCALE_REWARDS}")
+        if self.estimator not in ESTIMATORS:
+            problems.append(f"estimator={self.estimator!r}; choose one of {ESTIMATORS}")
+        for name in ("num_generations", "prompts_per_step", "max_completion_length", "num_iterations",
+                     "steps_per_generation"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_generations < 2:
+            problems.append("num_generations must be >= 2: advantages compare completions of the same prompt")
+        if (self.prompts_per_step * self.num_generations) % self.steps_per_generation:
+            problems.append(f"prompts_per_step x num_generations = {self.prompts_per_step * self.num_generations} "
+                            f"completions do not split into steps_per_generation={self.steps_per_generation} steps")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            problems.append(f"temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k}: need "
+                            "temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        if self.beta < 0 or self.delta < 0 or self.sft_steps < 0:
+            problems.append("beta, delta and sft_steps must be >= 0")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def grpo(model, batch, hparams: GRPOParams = GRPOParams(), *, reference=None, **_):
+    """Batch fields: ``tokens``, ``attention_mask``, ``loss_mask`` ``[B, T]`` (prompt + completion; the loss mask
+    marks completion tokens up to and including EOS), ``advantages [B]``; optional ``old_logps [B, T]`` (the
+    sampling policy's, when the batch is trained on more than once; otherwise the ratio is exactly 1) and
+    ``loss_share [B]`` (each row's share of the loss denominator, for ``steps_per_generation > 1``)."""
+    tokens, attention_mask, loss_mask, advantages = require(batch, "tokens", "attention_mask", "loss_mask",
+                                                            "advantages", objective="grpo")
+    with jax.named_scope("policy"):
+        logps = policy_token_logps(model, tokens, attention_mask, loss_mask, chunk_size=hparams.logps_chunk_size)
+    old = batch.get("old_logps")
+    old = jax.lax.stop_gradient(logps) if old is None else old
+    ref = None
+    if hparams.beta != 0.0:
+        with jax.named_scope("reference"):
+            ref = jax.lax.stop_gradient(policy_token_logps(reference, tokens, attention_mask, loss_mask,
+                                                           chunk_size=hparams.logps_chunk_size))
+    numerator, denominator, sums = losses.grpo_terms(
+        logps, old, advantages, loss_mask, ref_logps=ref, beta=hparams.beta, epsilon_low=hparams.epsilon_low,
+        epsilon_high=hparams.epsilon_high, delta=hparams.delta or None, loss_type=hparams.loss_type,
+        importance_sampling_level=hparams.importance_sampling_level,
+        max_completion_length=hparams.max_completion_length)
+    if "loss_share" in batch and hparams.loss_type in ("dapo", "cispo"):
+        denominator = jnp.asarray(batch["loss_share"], jnp.float32).sum()  # TRL: generation tokens / steps
+    metrics = {name: Metric(jax.lax.stop_gradient(total), count) for name, (total, count) in sums.items()}
+    metrics["loss"] = Metric(jax.lax.stop_gradient(numerator), denominator)
+    return numerator / jnp.maximum(denominator, 1.0), metrics

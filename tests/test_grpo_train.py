@@ -1,0 +1,135 @@
+"""The GRPO trainer: shared-prefill rollouts, the objective's micro-batch exactness for every loss type, an end-to-end
+run through ``train()`` (SFT start, samples, metrics, export), exact resume, and config validation."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_train import SMALL
+
+from jaxalign.models import create_model
+from jaxalign.objectives import GRPOParams, get_objective
+from jaxalign.sampling import sample
+from jaxalign.sampling.generate import left_pad
+from jaxalign.train import ConfigError, load_config, train, validate
+from jaxalign.train.export import export, restore_model
+
+GRPO = [*SMALL, "--config.objective.params.prompts_per_step=4", "--config.objective.params.num_generations=4",
+        "--config.train.batch_size=16", "--config.objective.params.max_completion_length=4",
+        "--config.objective.params.sft_steps=10", "--config.train.steps=4", "--config.train.save_every=2",
+        "--config.train.log_every=1", "--config.train.eval_every=2", "--config.eval.generate=8",
+        "--config.objective.params.samples_every=2", "--config.logging.plot=True"]
+
+
+def grpo_config(workdir, *extra):
+    return load_config("grpo", [*GRPO, f"--config.workdir={workdir}", *extra])
+
+
+def test_samples_from_one_prefill_equal_samples_from_repeated_prompts(tiny_config):
+    model = create_model(tiny_config, seed=3)
+    tokens, mask = left_pad([[5, 6, 7, 8], [9, 10], [11, 12, 13]], 0)
+    shared = sample(model, tokens, prompt_mask=mask, max_new_tokens=7, temperature=1.0, seed=11, num_samples=4)
+    repeated = sample(model, np.repeat(tokens, 4, 0), prompt_mask=np.repeat(mask, 4, 0), max_new_tokens=7,
+                      temperature=1.0, seed=11)
+    np.testing.assert_array_equal(np.asarray(shared.tokens), np.asarray(repeated.tokens))
+    np.testing.assert_allclose(np.asarray(shared.logps), np.asarray(repeated.logps), atol=1e-5)
+    assert len(set(map(tuple, np.asarray(shared.tokens)[:4].tolist()))) > 1  # the 4 samples of a prompt differ
+
+
+def rollout_batch(seed=0, rows=8, prompt=5, completion=4, vocab=128):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, completion + 1, rows)
+    lengths[0] = 0  # a completion with no token (masked row)
+    valid = (np.arange(completion)[None] < lengths[:, None]).astype(np.int32)
+    tokens = rng.integers(3, vocab, (rows, prompt + completion)).astype(np.int32)
+    return {"tokens": tokens, "attention_mask": np.concatenate([np.ones((rows, prompt), np.int32), valid], 1),
+            "loss_mask": np.concatenate([np.zeros((rows, prompt), np.int32), valid], 1),
+            "advantages": rng.normal(size=rows).astype(np.float32),
+            "old_logps": rng.normal(-4.6, 0.3, (rows, prompt + completion)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
+def test_grpo_objective_micro_batches_give_the_whole_batch_update(tiny_config, loss_type):
+    model = create_model(tiny_config, seed=1)
+    graphdef, params = nnx.split(model)
+    hp = GRPOParams(loss_type=loss_type, beta=0.04, max_completion_length=4, logps_chunk_size=0,
+                    epsilon_high=5.0 if loss_type == "cispo" else 0.28)
+    objective = get_objective("grpo").fn
+    reference = create_model(tiny_config, seed=2)
+    batch = {k: jnp.asarray(v) for k, v in rollout_batch().items()}
+
+    def summed(p, part):
+        loss, metrics = objective(nnx.merge(graphdef, p), part, hp, reference=reference)
+        return loss * metrics["loss"].count, metrics["loss"].count
+
+    full_grads, full_count = jax.grad(summed, has_aux=True)(params, batch)
+    grads, count = None, 0.0
+    for rows in (slice(0, 3), slice(3, 8)):
+        g, c = jax.grad(summed, has_aux=True)(params, {k: v[rows] for k, v in batch.items()})
+        grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+        count += c
+    assert float(count) == pytest.approx(float(full_count))
+    split = np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)]) / float(count)
+    whole = np.concatenate([np.ravel(g) for g in jax.tree.leaves(full_grads)]) / float(full_count)
+    assert np.max(np.abs(split - whole)) <= 1e-5 * np.max(np.abs(whole))  # float32 sums in another order
+
+
+def final_params(workdir):
+    model, _, step = restore_model(workdir)
+    return step, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("grpo") / "run"
+    summary = train(grpo_config(workdir))
+    return workdir, summary
+
+
+def test_grpo_run_end_to_end(uninterrupted, tmp_path):
+    workdir, summary = uninterrupted
+    assert summary["step"] == 4 and (workdir / "sft" / "hf" / "config.json").exists()  # trained SFT first
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["split"] == "train"]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
+    for key in ("loss", "reward", "reward_std", "frac_reward_zero_std", "completion/mean_length",
+                "completion/clipped_ratio", "clip_ratio/region_mean", "rollout_tokens_per_s", "train_tokens_per_s",
+                "rewards/exact_number/mean", "grad_norm"):
+        assert key in train_rows[-1], key
+    assert [r["step"] for r in rows if r["split"] == "eval"] == [0, 2, 4]
+    samples = [json.loads(line) for line in (workdir / "samples.jsonl").read_text().splitlines()]
+    assert samples and len(samples[0]["completions"]) == 4 and "What is" in samples[0]["prompt"]
+    assert (workdir / "curves.png").stat().st_size > 0
+    out = export(workdir, tmp_path / "hf")
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)  # loads in transformers
+
+
+def test_grpo_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path):
+    reference_dir, _ = uninterrupted
+    workdir = tmp_path / "run"
+    train(grpo_config(workdir, "--config.train.steps=2"))  # stops at the checkpoint of step 2
+    summary = train(grpo_config(workdir))  # the same command with the full length resumes
+    assert summary["step"] == 4
+    (step_a, a), (step_b, b) = final_params(workdir), final_params(reference_dir)
+    assert step_a == step_b == 4
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+    keys = [(r["step"], r["split"]) for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())]
+    assert len(keys) == len(set(keys))
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["--config.train.batch_size=32"], "a GRPO step trains on prompts_per_step x num_generations"),
+    (["--config.objective.params.loss_type=dapo", "--config.objective.params.importance_sampling_level=sequence"],
+     "needs loss_type='grpo'"),
+    (["--config.objective.params.num_generations=1", "--config.train.batch_size=4"], "num_generations must be >= 2"),
+    (["--config.objective.params.beta=0.1", "--config.reference.kind=precomputed"], "cannot serve GRPO"),
+])
+def test_bad_grpo_configs_are_refused(overrides, message, tmp_path):
+    with pytest.raises(ConfigError, match=message):
+        validate(grpo_config(tmp_path / "never", *overrides), num_devices=8)
