@@ -24,13 +24,13 @@ def get_config(arg=None):
     params.max_completion_length = 8
     params.temperature = 1.0
     params.rewards = "exact_number"
-    params.sft_steps = 300
-    config.optim.lr = 3e-4
+    params.sft_steps = 600
+    config.optim.lr = 5e-5
     config.optim.schedule = "constant"
     config.optim.warmup_steps = 0
-    config.train.steps = 200
+    config.train.steps = 150
     config.train.batch_size = params.prompts_per_step * params.num_generations
     config.train.log_every = 10
-    config.train.eval_every = 50
+    config.train.eval_every = 25
     config.train.save_every = 50
     return presets.apply(config, arg)

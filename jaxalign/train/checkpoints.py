@@ -155,8 +155,17 @@ class Checkpoints:
         reason = _write_failure(err)
         if reason is None:
             return
-        for tmp in self.folder.glob("*.orbax-checkpoint-tmp*"):
-            shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(Exception):  # let the save's remaining writer threads end
+            self.manager.wait_until_finished()
+        quiet = 0
+        for _ in range(30):  # writers still finishing may recreate a temporary folder: remove until it stays gone
+            leftovers = list(self.folder.glob("*.orbax-checkpoint-tmp*"))
+            for tmp in leftovers:
+                shutil.rmtree(tmp, ignore_errors=True)
+            quiet = 0 if leftovers else quiet + 1
+            if quiet == 3:
+                break
+            time.sleep(0.1)
         self._unsealed = [s for s in self._unsealed if s != step]
         raise CheckpointWriteError(self._explain(step, reason, shutil.disk_usage(self.workdir).free)) from None
 
