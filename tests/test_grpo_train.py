@@ -133,3 +133,29 @@ def test_grpo_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path):
 def test_bad_grpo_configs_are_refused(overrides, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
         validate(grpo_config(tmp_path / "never", *overrides), num_devices=8)
+
+
+@pytest.mark.slow
+def test_grpo_kill9_mid_run_then_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    reference_dir, _ = uninterrupted
+    workdir = tmp_path / "killed"
+    command = [sys.executable, "-m", "jaxalign.cli", "train", "--config", "grpo", *GRPO,
+               "--config.train.save_every=1", f"--config.workdir={workdir}"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 600
+    while not (workdir / "checkpoints" / "2").exists():  # killed after its second GRPO step's checkpoint
+        assert process.poll() is None and time.time() < deadline, process.stdout.read()[-3000:]
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.communicate()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "resumed from" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    (step_a, a), (step_b, b) = final_params(workdir), final_params(reference_dir)
+    assert step_a == step_b == 4
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
