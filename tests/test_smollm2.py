@@ -116,7 +116,8 @@ def test_grpo_twenty_steps_on_smollm2_with_a_verifiable_reward_and_export(smollm
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
     done = subprocess.run([sys.executable, "-m", "jaxalign.cli", "train", "--config", "grpo",
                            f"--config.model.path={smollm2_gguf_path()}", "--config.train.steps=20",
-                           "--config.objective.params.prompts_per_step=2", "--config.objective.params.num_generations=4",
+                           "--config.objective.params.prompts_per_step=2",
+                           "--config.objective.params.num_generations=4",
                            "--config.objective.params.max_completion_length=12", "--config.eval.generate=8",
                            "--config.train.eval_every=0", "--config.train.save_every=10", "--config.train.log_every=5",
                            f"--config.workdir={workdir}"], env=env, capture_output=True, text=True, timeout=1200)
