@@ -159,3 +159,28 @@ def test_grpo_kill9_mid_run_then_resume_equals_the_uninterrupted_run(uninterrupt
     assert step_a == step_b == 4
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def test_dynamic_sampling_keeps_groups_with_unequal_rewards_first():
+    from jaxalign.rl.trainer import Rollouts, select_groups
+
+    def part(totals, tag):
+        totals = np.asarray(totals, np.float32)
+        n = len(totals)
+        return Rollouts({"tokens": np.full((n, 3), tag)}, [f"{tag}{i}" for i in range(n)], ["p"] * n,
+                        totals[:, None], totals, totals - totals.mean(), np.ones(n, int), 1.0)
+
+    first = part([1, 1, 0, 1, 0, 0, 0, 0], 1)  # groups of 2: [1,1] equal, [0,1] mixed, [0,0] equal, [0,0] equal
+    second = part([0, 1, 1, 1, 1, 0, 0, 0], 2)  # mixed, equal, mixed, equal
+    chosen = select_groups([first, second], 4, 2)
+    assert chosen.texts == ["12", "13", "20", "21", "24", "25", "10", "11"]  # 3 mixed groups, then an equal one
+    assert chosen.batch["tokens"].shape == (8, 3) and chosen.seconds == 2.0
+
+
+def test_dynamic_sampling_run_logs_its_refills(tmp_path):
+    summary = train(grpo_config(tmp_path / "run", "--config.train.steps=2", "--config.eval.generate=0",
+                                "--config.objective.params.dynamic_sampling=True",
+                                "--config.objective.params.sft_steps=0"))
+    assert summary["step"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all("dynamic_sampling/refills" in r for r in rows if r["split"] == "train")

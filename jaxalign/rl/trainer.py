@@ -100,8 +100,29 @@ class Rollouts:
     seconds: float
 
 
-def rollout_seed(seed: int, step: int) -> int:
-    return int(np.random.default_rng([seed, 7919, step]).integers(2**31 - 1))
+def rollout_seed(seed: int, step: int, refill: int = 0) -> int:
+    return int(np.random.default_rng([seed, 7919, step, refill]).integers(2**31 - 1))
+
+
+def select_groups(parts: list[Rollouts], groups: int, size: int) -> Rollouts:
+    """``groups`` groups of ``size`` completions from ``parts`` (in order), those with unequal rewards first (DAPO's
+    dynamic sampling); groups with equal rewards fill up only when too few others were found."""
+    candidates = [(part, g) for part in parts for g in range(len(part.total) // size)]
+    mixed = [np.nanstd(part.total[g * size:(g + 1) * size]) > 0 for part, g in candidates]
+    order = [i for i, m in enumerate(mixed) if m] + [i for i, m in enumerate(mixed) if not m]
+    rows = [(candidates[i][0], np.arange(candidates[i][1] * size, (candidates[i][1] + 1) * size))
+            for i in order[:groups]]
+
+    def cat(get):
+        return np.concatenate([get(part)[index] for part, index in rows])
+
+    def cat_list(get):
+        return [get(part)[i] for part, index in rows for i in index]
+
+    batch = {key: cat(lambda part, key=key: part.batch[key]) for key in parts[0].batch}
+    return Rollouts(batch, cat_list(lambda p: p.texts), cat_list(lambda p: p.prompts), cat(lambda p: p.rewards),
+                    cat(lambda p: p.total), cat(lambda p: p.advantages), cat(lambda p: p.lengths),
+                    sum(p.seconds for p in parts))
 
 
 class GRPORun:
@@ -146,13 +167,26 @@ class GRPORun:
         self._old_logps = old_logps
 
     # ------------------------------------------------------------------------------------------ one generation
-    def rollout(self, indices: np.ndarray) -> Rollouts:
+    def generation_batch(self) -> tuple[Rollouts, int]:
+        """The next generation batch and the number of refills it took (dynamic sampling)."""
+        hp = self.hp
+        parts = [self.rollout(self.order.take(hp.prompts_per_step))]
+        refills = 0
+        while hp.dynamic_sampling and refills < hp.max_refills and sum(
+                np.nanstd(g) > 0 for p in parts for g in p.total.reshape(-1, hp.num_generations)) < hp.prompts_per_step:
+            refills += 1
+            parts.append(self.rollout(self.order.take(hp.prompts_per_step), refill=refills))
+        if len(parts) == 1:
+            return parts[0], 0
+        return select_groups(parts, hp.prompts_per_step, hp.num_generations), refills
+
+    def rollout(self, indices: np.ndarray, refill: int = 0) -> Rollouts:
         hp, tok, started = self.hp, self.engine.tokenizer, time.time()
         g = hp.num_generations
         ids, mask = self.prompt_ids[indices], self.prompt_mask[indices]
         gen = sample(self.engine.policy(), ids, prompt_mask=mask, max_new_tokens=hp.max_completion_length,
                      temperature=hp.temperature, top_k=hp.top_k, top_p=hp.top_p, eos_id=tok.eos_id, pad_id=self.pad,
-                     seed=rollout_seed(self.spec.seed, self.step), num_samples=g)
+                     seed=rollout_seed(self.spec.seed, self.step, refill), num_samples=g)
         completion, lengths = np.asarray(gen.tokens), np.asarray(gen.lengths)
         seconds = time.time() - started
         valid = (np.arange(completion.shape[1])[None] < lengths[:, None]).astype(np.int32)
@@ -293,9 +327,11 @@ def _loop(run: GRPORun, stop, start_time: float) -> dict[str, Any]:
         last_save = run.step
         while run.step < spec.train.steps:
             started = time.time()
-            rollouts = run.rollout(run.order.take(hp.prompts_per_step))
+            rollouts, refills = run.generation_batch()
             window = run.update(rollouts)
             values = {**reduce(window), **run.rollout_metrics(rollouts)}
+            if hp.dynamic_sampling:
+                values["dynamic_sampling/refills"] = float(refills)
             values["train_tokens_per_s"] = float(rollouts.batch["attention_mask"].sum() * per_generation
                                                  / max(time.time() - started - rollouts.seconds, 1e-9))
             every = spec.train.log_every
