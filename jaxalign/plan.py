@@ -25,6 +25,7 @@ from jaxalign.losses.logps import HEAD_BLOCK_ROWS
 from jaxalign.models import LlamaConfig, abstract_model, lora
 from jaxalign.objectives.common import resolve_chunk_size
 from jaxalign.parallel.mesh import mesh_sizes
+from jaxalign.sampling.generate import cache_bucket
 from jaxalign.train.build import model_config, optimizer
 from jaxalign.train.spec import ConfigError, ObjectiveSpec, RunSpec
 from jaxalign.train.step import state_shardings
@@ -185,6 +186,8 @@ def plan(config: ml_collections.ConfigDict, num_devices: int, *, backend: str | 
     micro = spec.train.batch_size // max(spec.train.grad_accum, 1)
     rows = max(micro // data_parallel, 1) * objective.rows_per_example
     length = spec.data.row_length if spec.data.packing and spec.data.row_length else spec.data.max_length
+    if spec.objective.name == "grpo":
+        length += hparams.max_completion_length
     tensor = sizes.get("tensor", 1)
     chunk_setting = int(hparams.logps_chunk_size)
     chunk = resolve_chunk_size(chunk_setting, rows, length, arch.vocab_size, backend)
@@ -203,6 +206,18 @@ def plan(config: ml_collections.ConfigDict, num_devices: int, *, backend: str | 
                      f"about {ref_peak / GB:.3f} GB of activations per device, below the step's")
     if spec.objective.name == "ift":
         notes.append("IFT adds a no-gradient forward pass for the greedy tokens; its peak is below the training pass")
+    if spec.objective.name == "grpo":
+        completions = hparams.prompts_per_step * hparams.num_generations
+        cache_length = cache_bucket(spec.data.max_length + hparams.max_completion_length)
+        itemsize = jnp.dtype(arch.dtype).itemsize
+        out["rollout KV cache"] = (2 * arch.num_layers * completions * cache_length * arch.num_kv_heads
+                                   * arch.head_dim * itemsize)
+        if hparams.num_iterations > 1 or hparams.steps_per_generation > 1:
+            out["old log-probs"] = completions * (spec.data.max_length + hparams.max_completion_length) * 4
+        notes.append(f"GRPO: sequences = prompt (up to data.max_length={spec.data.max_length}) + "
+                     f"{hparams.max_completion_length} completion tokens; the rollout KV cache holds all "
+                     f"{completions} completions x {cache_length} positions on every device (the sampler does not "
+                     "split the generation batch); it is freed before the update, so the total is an upper bound")
     if not arch.remat:
         notes.append("model.remat=False: every layer's activations are kept for the backward pass")
     if lora_config is not None:

@@ -184,3 +184,22 @@ def test_dynamic_sampling_run_logs_its_refills(tmp_path):
     assert summary["step"] == 2
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all("dynamic_sampling/refills" in r for r in rows if r["split"] == "train")
+
+
+def test_plan_counts_the_rollout_kv_cache():
+    from jaxalign.plan import plan
+
+    config = load_config("grpo", ["--config.objective.params.num_iterations=2"])
+    result = plan(config, 1)
+    hp, arch = config.objective.params, config.model.shape
+    head_dim = arch.hidden_size // arch.num_heads
+    expected = 2 * arch.num_layers * 16 * 8 * 256 * arch.num_kv_heads * head_dim * 4  # 64 + 8 tokens -> bucket 256
+    assert result.bytes["rollout KV cache"] == expected
+    assert result.bytes["old log-probs"] == 128 * (64 + hp.max_completion_length) * 4
+    assert result.sequence_length == 64 + hp.max_completion_length
+
+
+def test_a_prompt_longer_than_max_length_is_an_error_naming_the_record(tmp_path):
+    with pytest.raises(ValueError, match=r"train_arithmetic.jsonl, record \d+: the prompt takes \d+ tokens, over "
+                                         r"data.max_length=16"):
+        train(grpo_config(tmp_path / "run", "--config.data.max_length=16", "--config.objective.params.sft_steps=0"))

@@ -49,7 +49,7 @@ def prompt_records(paths: list[str], exclude: list[list[int]], max_record_chars:
                 continue
             prompt = prompt_of(record)
             if prompt is not None:
-                out.append({**record, "_prompt": prompt, "_index": index})
+                out.append({**record, "_prompt": prompt, "_index": index, "_source": str(path)})
     if not out and paths:
         raise ValueError(f"{', '.join(paths)}: no record with a prompt ('messages' or 'prompt') to sample from")
     return out
@@ -142,6 +142,12 @@ class GRPORun:
         self.eval_records = prompt_records(eval_paths, [[]] * len(eval_paths), spec.data.max_record_chars)
         self.eval_records = [r for r in self.eval_records if "answer" in r][: spec.eval.generate]
         encoded = [tok.encode_prompt(r["_prompt"]) for r in self.records]
+        limit = spec.data.max_length
+        if too_long := [(r, len(e)) for r, e in zip(self.records, encoded, strict=True) if len(e) > limit]:
+            record, length = too_long[0]
+            raise ValueError(f"{record['_source']}, record {record['_index']}: the prompt takes {length} tokens, over "
+                             f"data.max_length={limit} ({len(too_long)} prompts in all); raise data.max_length or "
+                             "shorten them")
         self.pad = tok.hf.pad_token_id if tok.hf.pad_token_id is not None else 0
         self.prompt_ids, self.prompt_mask = left_pad(encoded, self.pad)
         log(f"data: {len(self.records)} prompts (up to {self.prompt_ids.shape[1]} tokens), "
