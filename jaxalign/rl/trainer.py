@@ -32,7 +32,7 @@ from jaxalign.train.build import build, run_mesh
 from jaxalign.train.evaluate import exact_match, prompt_of, reduce
 from jaxalign.train.export import export
 from jaxalign.train.inputs import device_batch, materialise_data
-from jaxalign.train.loop import Skips, train
+from jaxalign.train.loop import Skips, describe_mesh, train
 from jaxalign.train.spec import RunSpec, effective_config
 
 SAMPLES_FILE = "samples.jsonl"
@@ -132,8 +132,7 @@ class GRPORun:
         self.spec, self.workdir, self.log = spec, workdir, log
         self.hp = spec.objective.params
         mesh = run_mesh(spec)
-        log(f"mesh {dict(mesh.shape)} over {jax.device_count()} devices in {jax.process_count()} process"
-            f"{'es' if jax.process_count() > 1 else ''}")
+        log(describe_mesh(mesh))
         self.engine = build(spec, mesh, log=log)
         stage()
         train_paths, eval_paths, exclude = materialise_data(spec, workdir)

@@ -65,13 +65,17 @@ class Run:
         return values
 
 
+def describe_mesh(mesh) -> str:
+    return (f"mesh {dict(mesh.shape)} over {jax.device_count()} devices in {jax.process_count()} process"
+            f"{'es' if jax.process_count() > 1 else ''}")
+
+
 def setup(config: ml_collections.ConfigDict, spec: RunSpec, stage=lambda: None) -> Run:
     """Engine and inputs first: config.json, tokenizer/ and model_config.json are written once both loaded.
     ``stage()`` is called between the stages (it raises to stop start-up on a signal)."""
     workdir = Path(spec.workdir)
     mesh = run_mesh(spec)
-    log(f"mesh {dict(mesh.shape)} over {jax.device_count()} devices in {jax.process_count()} process"
-        f"{'es' if jax.process_count() > 1 else ''}")
+    log(describe_mesh(mesh))
     engine = build(spec, mesh, log=log)
     stage()
     inputs = load_inputs(spec, engine, workdir, log)
