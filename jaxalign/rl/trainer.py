@@ -131,6 +131,9 @@ class GRPORun:
     def __init__(self, config, spec: RunSpec, workdir: Path, stage, log):
         self.spec, self.workdir, self.log = spec, workdir, log
         self.hp = spec.objective.params
+        if jax.process_count() > 1:  # every process would sample the whole generation batch as its own rows
+            raise ValueError(f"GRPO runs in one process for now ({jax.process_count()} processes joined); use one "
+                             "host (any number of its devices)")
         mesh = run_mesh(spec)
         log(describe_mesh(mesh))
         self.engine = build(spec, mesh, log=log)
