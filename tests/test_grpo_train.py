@@ -203,3 +203,16 @@ def test_a_prompt_longer_than_max_length_is_an_error_naming_the_record(tmp_path)
     with pytest.raises(ValueError, match=r"train_arithmetic.jsonl, record \d+: the prompt takes \d+ tokens, over "
                                          r"data.max_length=16"):
         train(grpo_config(tmp_path / "run", "--config.data.max_length=16", "--config.objective.params.sft_steps=0"))
+
+
+def test_sft_share_keeps_the_sft_questions_out_of_grpo(tmp_path):
+    from jaxalign.rl.trainer import in_sft_share
+
+    workdir = tmp_path / "run"
+    train(grpo_config(workdir, "--config.objective.params.sft_share=0.5", "--config.train.steps=2",
+                      "--config.eval.generate=0"))
+    sft_rows = [json.loads(line) for line in (workdir / "data" / "sft_share.jsonl").read_text().splitlines()]
+    assert sft_rows and all(in_sft_share(r, 0.5) for r in sft_rows)
+    sampled = [json.loads(line) for line in (workdir / "samples.jsonl").read_text().splitlines()]
+    questions = {r["messages"][0]["content"] for r in sft_rows}
+    assert sampled and not any(q in s["prompt"] for s in sampled for q in questions)

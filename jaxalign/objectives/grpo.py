@@ -21,8 +21,10 @@ class GRPOParams(EngineParams):
     ``delta=0`` turns two-sided clipping off. ``steps_per_generation``: optimizer steps per generation batch (each
     on an equal share of its completions); ``num_iterations``: passes over each generation batch (TRL's mu).
     ``sft_steps``: for a randomly initialised model (no ``model.path``), SFT steps on the same data first, in the
-    same run folder (``sft/``), so the policy can already answer. ``dynamic_sampling`` (DAPO): groups whose rewards
-    are all equal are dropped and more prompts sampled, up to ``max_refills`` times, to fill the batch."""
+    same run folder (``sft/``), so the policy can already answer; with ``sft_share > 0`` the SFT start sees only
+    that share of the training questions (by a hash of the prompt) and GRPO samples only the others.
+    ``dynamic_sampling`` (DAPO): groups whose rewards are all equal are dropped and more prompts sampled, up to
+    ``max_refills`` times, to fill the batch."""
 
     loss_type: str = "dapo"
     beta: float = 0.0
@@ -44,6 +46,7 @@ class GRPOParams(EngineParams):
     reward_weights: str = ""
     samples_every: int = 25
     sft_steps: int = 0
+    sft_share: float = 0.0
     dynamic_sampling: bool = False
     max_refills: int = 4
 
@@ -70,6 +73,8 @@ class GRPOParams(EngineParams):
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             problems.append(f"temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k}: need "
                             "temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        if not 0 <= self.sft_share < 1:
+            problems.append(f"sft_share={self.sft_share} must be in [0, 1)")
         if self.beta < 0 or self.delta < 0 or self.sft_steps < 0 or self.max_refills < 0:
             problems.append("beta, delta, sft_steps and max_refills must be >= 0")
         if problems:

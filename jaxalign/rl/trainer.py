@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxalign.data.sources import read_records
+from jaxalign.data.toy import write_jsonl
 from jaxalign.losses import group_advantages
 from jaxalign.objectives.common import policy_token_logps
 from jaxalign.rl.rewards import combine, resolve, score
@@ -53,6 +55,12 @@ def prompt_records(paths: list[str], exclude: list[list[int]], max_record_chars:
     if not out and paths:
         raise ValueError(f"{', '.join(paths)}: no record with a prompt ('messages' or 'prompt') to sample from")
     return out
+
+
+def in_sft_share(record: dict, share: float) -> bool:
+    """Whether a record's question belongs to the SFT start's share (a stable hash of its prompt)."""
+    digest = hashlib.sha1(json.dumps(prompt_of(record), sort_keys=True).encode()).digest()
+    return int.from_bytes(digest[:4], "little") % 10_000 < share * 10_000
 
 
 class PromptOrder:
@@ -141,6 +149,8 @@ class GRPORun:
         train_paths, eval_paths, exclude = materialise_data(spec, workdir)
         tok = self.engine.tokenizer
         self.records = prompt_records(train_paths, exclude, spec.data.max_record_chars)
+        if self.hp.sft_share:  # the questions the SFT start saw are not sampled
+            self.records = [r for r in self.records if not in_sft_share(r, self.hp.sft_share)]
         self.eval_records = prompt_records(eval_paths, [[]] * len(eval_paths), spec.data.max_record_chars)
         self.eval_records = [r for r in self.eval_records if "answer" in r][: spec.eval.generate]
         encoded = [tok.encode_prompt(r["_prompt"]) for r in self.records]
@@ -297,6 +307,14 @@ def _sft_start(config, spec: RunSpec, workdir: Path, log) -> RunSpec:
     sft.eval.generate = 0
     sft.logging.plot = False
     hf = folder / "hf"
+    if hp.sft_share and not (hf / "config.json").exists():  # SFT on its share of the training questions only
+        train_paths, _, exclude = materialise_data(spec, workdir)
+        records = prompt_records(train_paths, exclude, spec.data.max_record_chars)
+        share = [{k: v for k, v in r.items() if not k.startswith("_")} for r in records
+                 if in_sft_share(r, hp.sft_share)]
+        sft.data.train = str(write_jsonl(share, workdir / "data" / "sft_share.jsonl").resolve())
+        log(f"objective.params.sft_share={hp.sft_share}: the SFT start trains on {len(share)} of {len(records)} "
+            "records; GRPO samples the others")
     if not (hf / "config.json").exists():
         log(f"objective.params.sft_steps={hp.sft_steps}: SFT first, in {folder}")
         train(sft)
