@@ -10,7 +10,6 @@ rollout key is a function of the seed and the step, so a resumed run samples exa
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -327,12 +326,8 @@ def train_grpo(config, spec: RunSpec, workdir: Path, stop, stage, start_time: fl
     build_spec = _sft_start(config, spec, workdir, log)
     stage()
     run = GRPORun(config, build_spec, workdir, stage, log)
-    try:
+    with run.checkpoints:
         return _loop(run, stop, start_time)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            run.checkpoints.close()
-        raise
 
 
 def _loop(run: GRPORun, stop, start_time: float) -> dict[str, Any]:
@@ -379,7 +374,6 @@ def _loop(run: GRPORun, stop, start_time: float) -> dict[str, Any]:
                 run.log(f"{stop.requested}: saved a checkpoint at step {run.step} in {run.workdir / 'checkpoints'}; "
                         "rerun the same command to resume")
                 run.writer.close()
-                run.checkpoints.close()
                 return {"stopped": stop.requested, "step": run.step, "workdir": str(run.workdir)}
         run.save(wait=True)
         final = run.evaluate()
@@ -392,7 +386,6 @@ def _loop(run: GRPORun, stop, start_time: float) -> dict[str, Any]:
         plot = writers.plot_curves(run.workdir / "metrics.jsonl", run.workdir / "curves.png",
                                    f"grpo ({hp.loss_type}) — {run.workdir.name}",
                                    metrics=("loss", "reward", "completion/mean_length"))
-    run.checkpoints.close()
     summary = writers.write_summary(run.workdir, {
         "step": run.step, "workdir": str(run.workdir), "metrics": str(run.workdir / "metrics.jsonl"),
         "checkpoints": str(run.workdir / "checkpoints"), "plot": str(plot) if plot else None,

@@ -222,6 +222,16 @@ class Checkpoints:
     def close(self) -> None:
         self.manager.close()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *_):
+        if exc_type is None:
+            self.close()
+        else:
+            with contextlib.suppress(Exception):  # the error in flight is the one to report
+                self.close()
+
 
 def good_step(folder: Path, step: int | None = None) -> tuple[int, list[str]]:
     """The newest step folder under ``folder`` (a run's ``checkpoints/``) that verifies, or ``step`` itself when

@@ -257,14 +257,8 @@ def _train(config: ml_collections.ConfigDict, stop, start_time: float) -> dict[s
             if created and not started and jax.process_index() == 0:  # failed during start-up: leave nothing
                 shutil.rmtree(workdir, ignore_errors=True)
             raise
-        try:
-            summary = _run(run, stop, start_time)
-        except BaseException:
-            with contextlib.suppress(Exception):  # the error in flight is the one to report
-                run.checkpoints.close()
-            raise
-        run.checkpoints.close()
-        return summary
+        with run.checkpoints:
+            return _run(run, stop, start_time)
 
 
 def _run(run: Run, stop, start_time: float) -> dict[str, Any]:
