@@ -212,8 +212,9 @@ def plan(config: ml_collections.ConfigDict, num_devices: int, *, backend: str | 
         itemsize = jnp.dtype(arch.dtype).itemsize
         out["rollout KV cache"] = (2 * arch.num_layers * completions * cache_length * arch.num_kv_heads
                                    * arch.head_dim * itemsize)
-        if hparams.num_iterations > 1 or hparams.steps_per_generation > 1:
-            out["old log-probs"] = completions * (spec.data.max_length + hparams.max_completion_length) * 4
+        if hparams.recompute_old_logps:
+            buffers = 2 if hparams.sampling_correction != "none" else 1  # and the sampler's own
+            out["old log-probs"] = buffers * completions * (spec.data.max_length + hparams.max_completion_length) * 4
         notes.append(f"GRPO: sequences = prompt (up to data.max_length={spec.data.max_length}) + "
                      f"{hparams.max_completion_length} completion tokens; the rollout KV cache holds all "
                      f"{completions} completions x {cache_length} positions on every device (the sampler does not "

@@ -147,3 +147,34 @@ def test_truncate_at_stop():
 
     assert truncate_at_stop("The answer is 5.\nUser: hi", ["\nUser:", "###"]) == "The answer is 5."
     assert truncate_at_stop("no stops here", ["###"]) == "no stops here"
+
+
+def test_sampling_logps_and_entropy_are_of_the_tempered_distribution(model):
+    from jaxalign.sampling import sample
+
+    tokens, mask = left_padded_prompts()
+    out = sample(model, tokens, prompt_mask=mask, max_new_tokens=4, temperature=0.7, seed=3)
+    full = model(jnp.asarray(np.concatenate([tokens, np.asarray(out.tokens)], 1)),
+                 jnp.asarray(np.concatenate([mask, np.ones((3, 4), mask.dtype)], 1)))[:, 6:-1]
+    tempered = jax.nn.log_softmax(full / 0.7, -1)
+    chosen = jnp.take_along_axis(tempered, out.tokens[:, :, None], -1)[..., 0]
+    np.testing.assert_allclose(out.sampling_logps, chosen, atol=1e-5)
+    np.testing.assert_allclose(out.entropy, -(jnp.exp(tempered) * tempered).sum(-1), atol=1e-4)
+    np.testing.assert_allclose(out.logps, jnp.take_along_axis(jax.nn.log_softmax(full, -1),
+                                                              out.tokens[:, :, None], -1)[..., 0], atol=1e-5)
+
+
+def test_stop_string_lengths_cut_after_the_token_that_completes_a_stop():
+    from jaxalign.sampling import stop_string_lengths
+
+    vocab = {1: "The", 2: " answer", 3: "\n", 4: "User", 5: ":", 6: " hi", 7: "#", 8: "x"}
+
+    def decode(ids):
+        return "".join(vocab[i] for i in ids)
+
+    tokens = np.array([[1, 2, 3, 4, 5, 6], [1, 2, 7, 7, 8, 8], [1, 2, 8, 8, 0, 0], [7, 7, 7, 0, 0, 0]])
+    lengths = np.array([6, 6, 4, 2])
+    got = stop_string_lengths(tokens, lengths, ["\nUser:", "##"], decode)
+    # "\nUser:" is complete with token 5 (index 4); "##" with the second "#"; no stop; the stop lies past the length
+    np.testing.assert_array_equal(got, [5, 4, 4, 2])
+    np.testing.assert_array_equal(stop_string_lengths(tokens, lengths, [], decode), lengths)

@@ -8,6 +8,7 @@ advantage code of ``GRPOTrainer._generate_and_score_completions`` (``sum_then_no
 """
 
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxalign.losses import group_advantages, grpo, grpo_terms
+from jaxalign.losses import group_advantages, grpo, grpo_terms, sampling_correction
 
 
 # ------------------------------------------------------------------------------ TRL 1.16, restated in PyTorch
@@ -66,7 +67,8 @@ def trl_rloo_advantages(rewards, num_generations, normalize_advantages):
 
 
 def trl_compute_loss(per_token_logps, old_per_token_logps, advantages, mask, ref_per_token_logps, *, beta,
-                     epsilon_low, epsilon_high, delta, loss_type, importance_sampling_level, max_completion_length):
+                     epsilon_low, epsilon_high, delta, loss_type, importance_sampling_level, max_completion_length,
+                     importance_sampling_ratio=None):
     advantages = advantages.unsqueeze(1)
     log_ratio = per_token_logps - old_per_token_logps
     if importance_sampling_level == "token":
@@ -89,6 +91,8 @@ def trl_compute_loss(per_token_logps, old_per_token_logps, advantages, mask, ref
         per_token_loss1 = coef_1 * advantages
         per_token_loss2 = coef_2 * advantages
         per_token_loss = -torch.min(per_token_loss1, per_token_loss2)
+    if importance_sampling_ratio is not None:
+        per_token_loss = per_token_loss * importance_sampling_ratio
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl
     if loss_type == "grpo":
@@ -117,6 +121,22 @@ def trl_compute_loss(per_token_logps, old_per_token_logps, advantages, mask, ref
         metrics["clip_ratio/high_mean"] = global_masked_mean(is_high_clipped.float())
         metrics["clip_ratio/region_mean"] = global_masked_mean((is_low_clipped | is_high_clipped).float())
     return loss, metrics
+
+
+def trl_sampling_ratio(old_per_token_logps, sampling_per_token_logps, completion_mask, mode, clip_min, clip_max):
+    """TRL 1.16 ``_generate_and_score_completions``: the vLLM importance-sampling ratio."""
+    per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * completion_mask
+    per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)
+    sequence_level_is = mode in ["sequence_mask", "sequence_truncate"]
+    logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True) if sequence_level_is else per_token_logps_diff
+    ratio = torch.exp(logps_diff)
+    if mode in ["sequence_truncate", "token_truncate"]:
+        ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
+    else:
+        min_val = clip_min if clip_min is not None else -math.inf
+        max_val = clip_max if clip_max is not None else math.inf
+        ratio = ratio.masked_fill((ratio < min_val) | (ratio > max_val), value=0.0)
+    return ratio
 
 
 # ------------------------------------------------------------------------------------------------- inputs
@@ -226,6 +246,39 @@ def test_on_policy_ratio_is_one_and_the_gradient_is_the_policy_gradient_with_bas
     assert float(value) == pytest.approx(float(np.sum(weights / mask.sum()) if loss_type in ("bnpo", "dapo") else
                                                np.sum(weights / np.maximum(tokens, 1)[:, None]) / N
                                                if loss_type == "grpo" else np.sum(weights) / (N * T)), rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize(("loss_type", "clip_min", "clip_max"), [("dapo", None, 3.0), ("grpo", 0.5, 1.5),
+                                                                 ("cispo", None, 2.0)])
+def test_sampling_correction_equals_trl(mode, loss_type, clip_min, clip_max):
+    logps, old, ref, mask, rewards = batch(4)
+    rng = np.random.default_rng(5)
+    sampler = (old + rng.normal(0.0, 0.6, old.shape)).astype(np.float32)  # a sampler in another dtype, say
+    sampler[0, 1] = np.nan  # a log-prob the sampler did not report: no correction there
+    advantages = np.asarray(group_advantages(jnp.asarray(rewards), G))
+    options = dict(beta=0.04, epsilon_low=0.2, epsilon_high=2.0 if loss_type == "cispo" else 0.28, delta=None,
+                   loss_type=loss_type, importance_sampling_level="token", max_completion_length=T)
+    weights = sampling_correction(jnp.asarray(old), jnp.asarray(sampler), jnp.asarray(mask), mode=mode,
+                                  clip_min=clip_min, clip_max=clip_max)
+    t = {name: torch.tensor(x, dtype=torch.float64) for name, x in
+         dict(old=old, sampler=sampler, mask=mask, ref=ref, advantages=advantages).items()}
+    expected_weights = trl_sampling_ratio(t["old"], t["sampler"], t["mask"], mode, clip_min, clip_max)
+    np.testing.assert_allclose(np.asarray(weights), expected_weights.numpy(), rtol=1e-5, atol=1e-7)
+    assert 0 < float((expected_weights == 0).double().mean()) < 1 if mode.endswith("mask") else True
+
+    def ours(lp):
+        return grpo(lp, jnp.asarray(old), jnp.asarray(advantages), jnp.asarray(mask), ref_logps=jnp.asarray(ref),
+                    sampling_weights=weights, **options)
+
+    (loss, metrics), grad = jax.value_and_grad(ours, has_aux=True)(jnp.asarray(logps))
+    lp = torch.tensor(logps, dtype=torch.float64, requires_grad=True)
+    expected, _ = trl_compute_loss(lp, t["old"], t["advantages"], t["mask"], t["ref"],
+                                   importance_sampling_ratio=expected_weights, **options)
+    expected.backward()
+    assert rel(loss, expected.item()) <= 1e-5
+    assert rel(grad, lp.grad.numpy()) <= 1e-4
+    assert "sampling/importance_sampling_ratio/mean" in metrics
 
 
 @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])

@@ -129,6 +129,9 @@ def test_grpo_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path):
      "needs loss_type='grpo'"),
     (["--config.objective.params.num_generations=1", "--config.train.batch_size=4"], "num_generations must be >= 2"),
     (["--config.objective.params.beta=0.1", "--config.reference.kind=precomputed"], "cannot serve GRPO"),
+    (["--config.objective.params.stop_strings=[1, 2]"], "stop_strings=.* a JSON list must hold non-empty strings"),
+    (["--config.objective.params.sampling_correction=token"], "sampling_correction='token'; choose one of"),
+    (["--config.objective.params.temperature=0"], "temperature > 0"),
 ])
 def test_bad_grpo_configs_are_refused(overrides, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
@@ -168,7 +171,7 @@ def test_dynamic_sampling_keeps_groups_with_unequal_rewards_first():
         totals = np.asarray(totals, np.float32)
         n = len(totals)
         return Rollouts({"tokens": np.full((n, 3), tag)}, [f"{tag}{i}" for i in range(n)], ["p"] * n,
-                        totals[:, None], totals, totals - totals.mean(), np.ones(n, int), 1.0)
+                        totals[:, None], totals, totals - totals.mean(), np.ones(n, int), np.zeros(n), 1.0)
 
     first = part([1, 1, 0, 1, 0, 0, 0, 0], 1)  # groups of 2: [1,1] equal, [0,1] mixed, [0,0] equal, [0,0] equal
     second = part([0, 1, 1, 1, 1, 0, 0, 0], 2)  # mixed, equal, mixed, equal
@@ -216,3 +219,23 @@ def test_sft_share_keeps_the_sft_questions_out_of_grpo(tmp_path):
     sampled = [json.loads(line) for line in (workdir / "samples.jsonl").read_text().splitlines()]
     questions = {r["messages"][0]["content"] for r in sft_rows}
     assert sampled and not any(q in s["prompt"] for s in sampled for q in questions)
+
+
+def test_stop_strings_and_the_sampling_correction_in_a_run(tmp_path):
+    workdir = tmp_path / "run"
+    summary = train(grpo_config(workdir, "--config.train.steps=2", "--config.eval.generate=0",
+                                "--config.objective.params.sft_steps=40", "--config.objective.params.samples_every=1",
+                                "--config.objective.params.max_completion_length=6",
+                                '--config.objective.params.stop_strings=["1", "="]',
+                                "--config.objective.params.sampling_correction=token_truncate",
+                                "--config.objective.params.temperature=0.8"))
+    assert summary["step"] == 2
+    completions = [c for line in (workdir / "samples.jsonl").read_text().splitlines()
+                   for c in json.loads(line)["completions"]]
+    cut = [c for c in completions if "1" in c or "=" in c]
+    assert cut and all(c.endswith(("1", "=")) and c.count("1") + c.count("=") == 1 for c in cut)  # ends at a stop
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["split"] == "train"]
+    for row in train_rows:  # the sampler and the trainer are the same model in the same dtype: weights ~ 1
+        assert row["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
+        assert row["entropy"] > 0

@@ -3,7 +3,7 @@
 Nothing here runs a model or touches I/O; ``jaxalign.objectives`` runs the forward passes and calls these.
 """
 
-from jaxalign.losses.grpo import GRPO_LOSS_TYPES, group_advantages, grpo, grpo_terms
+from jaxalign.losses.grpo import GRPO_LOSS_TYPES, group_advantages, grpo, grpo_terms, sampling_correction
 from jaxalign.losses.ift import ift, ift_weights, reverse_discounted_cumsum
 from jaxalign.losses.logps import (
     fused_head_logps,
@@ -32,6 +32,7 @@ __all__ = [
     "orpo",
     "reverse_discounted_cumsum",
     "reward_gap",
+    "sampling_correction",
     "sequence_logps",
     "sft",
     "simpo",

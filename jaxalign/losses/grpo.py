@@ -16,6 +16,7 @@ GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 ESTIMATORS = ("grpo", "rloo")
+SAMPLING_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 STD_EPS = 1e-4  # TRL's (std + 1e-4)
 
 
@@ -92,17 +93,41 @@ def check_grpo_options(loss_type: str, importance_sampling_level: str, max_compl
                          "max_completion_length")
 
 
+def sampling_correction(old_logps: jax.Array, sampling_logps: jax.Array, loss_mask: jax.Array, *,
+                        mode: str = "token_truncate", clip_min: float | None = None,
+                        clip_max: float | None = 3.0) -> jax.Array:
+    """Importance weights for the mismatch between the sampler's log-probs and the trainer's (TRL 1.16's
+    ``vllm_importance_sampling_correction``): ``exp(old_logps - sampling_logps)`` per token (``token_*``, ``[N, T]``)
+    or per sequence (``sequence_*``: the exponentiated sum over the sequence's tokens, ``[N, 1]``), then clipped to
+    ``[clip_min, clip_max]`` (``*_truncate``) or set to 0 outside it (``*_mask``); None = no bound. The per-token
+    loss is multiplied by these weights (``grpo_terms(..., sampling_weights=)``), before the KL term is added."""
+    if mode not in SAMPLING_CORRECTIONS[1:]:
+        raise ValueError(f"sampling correction mode={mode!r}; choose one of {SAMPLING_CORRECTIONS[1:]}")
+    mask = jnp.asarray(loss_mask, jnp.float32)
+    diff = (jnp.asarray(old_logps, jnp.float32) - jnp.asarray(sampling_logps, jnp.float32)) * mask
+    diff = jax.lax.stop_gradient(jnp.nan_to_num(diff, nan=0.0))  # an unknown sampler log-prob: no correction
+    ratio = jnp.exp(diff.sum(axis=1, keepdims=True) if mode.startswith("sequence") else diff)
+    low = -jnp.inf if clip_min is None else clip_min
+    high = jnp.inf if clip_max is None else clip_max
+    if mode.endswith("truncate"):
+        return jnp.clip(ratio, low, high)
+    return jnp.where((ratio < low) | (ratio > high), 0.0, ratio)
+
+
 def grpo_terms(logps: jax.Array, old_logps: jax.Array, advantages: jax.Array, loss_mask: jax.Array, *,
                ref_logps: jax.Array | None = None, beta: float = 0.0, epsilon_low: float = 0.2,
                epsilon_high: float = 0.2, delta: float | None = None, loss_type: str = "dapo",
                importance_sampling_level: str = "token", max_completion_length: int | None = None,
+               sampling_weights: jax.Array | None = None,
                ) -> tuple[jax.Array, jax.Array, dict[str, tuple[jax.Array, jax.Array]]]:
     """``(numerator, denominator, metrics)`` of the GRPO-family loss for these rows, where the loss of a batch made
     of several parts (micro-batches, hosts) is ``sum(numerators) / sum(denominators)``; ``metrics`` maps each name
     to ``(sum, count)`` in the same way. Arguments as ``grpo``.
 
     Denominators: ``grpo`` the number of rows (its numerator sums per-row token means), ``bnpo`` / ``dapo`` /
-    ``cispo`` the trained tokens, ``dr_grpo`` rows x ``max_completion_length``."""
+    ``cispo`` the trained tokens, ``dr_grpo`` rows x ``max_completion_length``. ``sampling_weights`` (``[N, T]``
+    or ``[N, 1]``, from ``sampling_correction``) multiply the per-token policy loss before the KL term is added, as
+    TRL does."""
     check_grpo_options(loss_type, importance_sampling_level, max_completion_length)
     mask = jnp.asarray(loss_mask, jnp.float32)
     on = mask > 0
@@ -138,6 +163,10 @@ def grpo_terms(logps: jax.Array, old_logps: jax.Array, advantages: jax.Array, lo
         masked("clip_ratio/low_mean", low.astype(jnp.float32))
         masked("clip_ratio/high_mean", high.astype(jnp.float32))
         masked("clip_ratio/region_mean", (low | high).astype(jnp.float32))
+    if sampling_weights is not None:
+        weights = jax.lax.stop_gradient(jnp.asarray(sampling_weights, jnp.float32))
+        per_token = per_token * weights
+        masked("sampling/importance_sampling_ratio/mean", weights)
     if beta != 0.0:
         if ref_logps is None:
             raise ValueError("beta > 0 needs ref_logps (the reference model's per-token log-probs)")
@@ -159,7 +188,8 @@ def grpo_terms(logps: jax.Array, old_logps: jax.Array, advantages: jax.Array, lo
 def grpo(logps: jax.Array, old_logps: jax.Array, advantages: jax.Array, loss_mask: jax.Array, *,
          ref_logps: jax.Array | None = None, beta: float = 0.0, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
          delta: float | None = None, loss_type: str = "dapo", importance_sampling_level: str = "token",
-         max_completion_length: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+         max_completion_length: int | None = None, sampling_weights: jax.Array | None = None,
+         ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The scalar GRPO-family loss of one generation batch and its metrics.
 
     Args:
@@ -177,6 +207,8 @@ def grpo(logps: jax.Array, old_logps: jax.Array, advantages: jax.Array, loss_mas
         generation batch; TRL's default), ``cispo`` (clipped-ratio weighted REINFORCE, token-normalised like dapo).
       importance_sampling_level: ``token`` or ``sequence`` (GSPO: the ratio of the sequence's mean log-ratio;
         only with ``loss_type="grpo"``).
+      sampling_weights: optional ``[N, T]`` or ``[N, 1]`` importance weights for a sampler whose log-probs differ
+        from the trainer's (``sampling_correction``; TRL's ``vllm_importance_sampling_correction``).
     Returns:
       ``(loss, metrics)``: TRL's clip ratios (``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
       ``clip_ratio/region_mean``; ``cispo_clip_ratio`` for cispo) and ``kl`` when ``beta > 0``.
@@ -184,6 +216,7 @@ def grpo(logps: jax.Array, old_logps: jax.Array, advantages: jax.Array, loss_mas
     numerator, denominator, sums = grpo_terms(
         logps, old_logps, advantages, loss_mask, ref_logps=ref_logps, beta=beta, epsilon_low=epsilon_low,
         epsilon_high=epsilon_high, delta=delta, loss_type=loss_type,
-        importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length)
+        importance_sampling_level=importance_sampling_level, max_completion_length=max_completion_length,
+        sampling_weights=sampling_weights)
     metrics = {name: total / jnp.maximum(count, 1.0) for name, (total, count) in sums.items()}
     return numerator / jnp.maximum(denominator, 1.0), metrics

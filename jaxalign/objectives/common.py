@@ -105,8 +105,9 @@ def resolve_chunk_size(chunk_size: int, rows: int, length: int, vocab: int, back
 
 def policy_token_logps(model, tokens: jax.Array, attention_mask: jax.Array, loss_mask: jax.Array, *,
                        inputs_embeds: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                       chunk_size: int = 0, return_hidden: bool = False):
-    """Token log-probs ``[B, T]`` of ``tokens`` under ``model`` (and the final hidden states if asked).
+                       chunk_size: int = 0, return_hidden: bool = False, temperature: float = 1.0):
+    """Token log-probs ``[B, T]`` of ``tokens`` under ``model`` (and the final hidden states if asked);
+    ``temperature != 1``: of ``softmax(logits / temperature)`` (RL's sampling distribution, as TRL trains it).
 
     ``chunk_size > 0`` takes the fused, memory-light path (``token_logps_from_hidden``, vocabulary tiles of
     ``chunk_size`` columns): the ``[B, T, V]`` logits are never held at once; ``-1`` chooses
@@ -115,10 +116,11 @@ def policy_token_logps(model, tokens: jax.Array, attention_mask: jax.Array, loss
     hidden, _ = model.hidden_states(None if inputs_embeds is not None else tokens, attention_mask,
                                     inputs_embeds=inputs_embeds, segment_ids=segment_ids)
     chunk_size = resolve_chunk_size(chunk_size, tokens.shape[0], tokens.shape[1], model.config.vocab_size)
+    scaled = hidden if temperature == 1.0 else hidden / jnp.asarray(temperature, hidden.dtype)  # a linear head
     if chunk_size > 0:
-        logps = token_logps_from_hidden(hidden, model.head_kernel(), tokens, loss_mask, chunk_size=chunk_size)
+        logps = token_logps_from_hidden(scaled, model.head_kernel(), tokens, loss_mask, chunk_size=chunk_size)
     else:
-        logps = token_logps(model.unembed(hidden), tokens, loss_mask)
+        logps = token_logps(model.unembed(scaled), tokens, loss_mask)
     return (logps, hidden) if return_hidden else logps
 
 

@@ -4,12 +4,13 @@ completion tokens. The rollouts, rewards and advantages that fill the batch come
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
 
 from jaxalign import losses
-from jaxalign.losses.grpo import ESTIMATORS, SCALE_REWARDS, check_grpo_options
+from jaxalign.losses.grpo import ESTIMATORS, SAMPLING_CORRECTIONS, SCALE_REWARDS, check_grpo_options
 from jaxalign.objectives.common import EngineParams, Metric, policy_token_logps, require
 
 
@@ -24,7 +25,11 @@ class GRPOParams(EngineParams):
     same run folder (``sft/``), so the policy can already answer; with ``sft_share > 0`` the SFT start sees only
     that share of the training questions (by a hash of the prompt) and GRPO samples only the others.
     ``dynamic_sampling`` (DAPO): groups whose rewards are all equal are dropped and more prompts sampled, up to
-    ``max_refills`` times, to fill the batch."""
+    ``max_refills`` times, to fill the batch. ``stop_strings``: one string, or a JSON list of strings; a
+    completion ends after the token that completes one (it stays in the text). ``sampling_correction``: TRL's
+    truncated / masked importance sampling for the sampler-trainer mismatch (``losses.sampling_correction``;
+    the sampling policy's log-probs are then always recomputed by the trainer), bounds ``sampling_clip_min``
+    (0 = none) and ``sampling_clip_max`` (0 = none)."""
 
     loss_type: str = "dapo"
     beta: float = 0.0
@@ -49,14 +54,51 @@ class GRPOParams(EngineParams):
     sft_share: float = 0.0
     dynamic_sampling: bool = False
     max_refills: int = 4
+    stop_strings: str | tuple[str, ...] = ""
+    sampling_correction: str = "none"
+    sampling_clip_min: float = 0.0
+    sampling_clip_max: float = 3.0
 
     @property
     def reference_free(self) -> bool:  # the frozen reference is held only for the KL term
         return self.beta == 0.0
 
+    @property
+    def stops(self) -> tuple[str, ...]:
+        """``stop_strings`` as a tuple (a list given on the command line arrives parsed)."""
+        value = self.stop_strings
+        if not value:
+            return ()
+        if isinstance(value, str) and value.lstrip().startswith("["):
+            value = json.loads(value)
+        elif isinstance(value, str):
+            return (value,)
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
+            raise ValueError(f"stop_strings={self.stop_strings!r}: a JSON list must hold non-empty strings")
+        return tuple(value)
+
+    @property
+    def recompute_old_logps(self) -> bool:
+        """Whether the trainer computes the sampling policy's log-probs with a forward pass of its own."""
+        return self.num_iterations > 1 or self.steps_per_generation > 1 or self.sampling_correction != "none"
+
     def __post_init__(self):
         check_grpo_options(self.loss_type, self.importance_sampling_level, self.max_completion_length)
         problems = []
+        try:
+            if not isinstance(self.stop_strings, str):  # hashable, and written back as a JSON list
+                object.__setattr__(self, "stop_strings", self.stops)
+            self.stops  # noqa: B018 (parses)
+        except ValueError as err:  # json.JSONDecodeError is a ValueError
+            problems.append(f"stop_strings={self.stop_strings!r} is neither one string nor a JSON list of "
+                            f"strings ({err})")
+        if self.sampling_correction not in SAMPLING_CORRECTIONS:
+            problems.append(f"sampling_correction={self.sampling_correction!r}; choose one of "
+                            f"{SAMPLING_CORRECTIONS}")
+        if self.sampling_clip_min < 0 or self.sampling_clip_max < 0 or (
+                self.sampling_clip_max and self.sampling_clip_min > self.sampling_clip_max):
+            problems.append(f"sampling_clip_min={self.sampling_clip_min}, sampling_clip_max="
+                            f"{self.sampling_clip_max}: need 0 <= min <= max (0 = no bound)")
         if self.scale_rewards not in SCALE_REWARDS:
             problems.append(f"scale_rewards={self.scale_rewards!r}; choose one of {SCALE_REWARDS}")
         if self.estimator not in ESTIMATORS:
@@ -70,9 +112,10 @@ class GRPOParams(EngineParams):
         if (self.prompts_per_step * self.num_generations) % self.steps_per_generation:
             problems.append(f"prompts_per_step x num_generations = {self.prompts_per_step * self.num_generations} "
                             f"completions do not split into steps_per_generation={self.steps_per_generation} steps")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+        if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             problems.append(f"temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k}: need "
-                            "temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+                            "temperature > 0 (greedy completions of a prompt are all equal), 0 < top_p <= 1, "
+                            "top_k >= 0")
         if not 0 <= self.sft_share < 1:
             problems.append(f"sft_share={self.sft_share} must be in [0, 1)")
         if self.beta < 0 or self.delta < 0 or self.sft_steps < 0 or self.max_refills < 0:
@@ -84,24 +127,34 @@ class GRPOParams(EngineParams):
 def grpo(model, batch, hparams: GRPOParams = GRPOParams(), *, reference=None, **_):
     """Batch fields: ``tokens``, ``attention_mask``, ``loss_mask`` ``[B, T]`` (prompt + completion; the loss mask
     marks completion tokens up to and including EOS), ``advantages [B]``; optional ``old_logps [B, T]`` (the
-    sampling policy's, when the batch is trained on more than once; otherwise the ratio is exactly 1) and
-    ``loss_share [B]`` (each row's share of the loss denominator, for ``steps_per_generation > 1``)."""
+    sampling policy's, when the batch is trained on more than once; otherwise the ratio is exactly 1),
+    ``sampling_logps [B, T]`` (the sampler's own, for ``sampling_correction``) and ``loss_share [B]`` (each row's
+    share of the loss denominator, for ``steps_per_generation > 1``). Log-probs are of ``softmax(logits /
+    temperature)``, as TRL trains them."""
     tokens, attention_mask, loss_mask, advantages = require(batch, "tokens", "attention_mask", "loss_mask",
                                                             "advantages", objective="grpo")
     with jax.named_scope("policy"):
-        logps = policy_token_logps(model, tokens, attention_mask, loss_mask, chunk_size=hparams.logps_chunk_size)
+        logps = policy_token_logps(model, tokens, attention_mask, loss_mask, chunk_size=hparams.logps_chunk_size,
+                                   temperature=hparams.temperature)
     old = batch.get("old_logps")
     old = jax.lax.stop_gradient(logps) if old is None else old
     ref = None
     if hparams.beta != 0.0:
         with jax.named_scope("reference"):
             ref = jax.lax.stop_gradient(policy_token_logps(reference, tokens, attention_mask, loss_mask,
-                                                           chunk_size=hparams.logps_chunk_size))
+                                                           chunk_size=hparams.logps_chunk_size,
+                                                           temperature=hparams.temperature))
+    weights = None
+    if hparams.sampling_correction != "none":
+        sampled = require(batch, "sampling_logps", objective="grpo (sampling_correction)")[0]
+        weights = losses.sampling_correction(old, sampled, loss_mask, mode=hparams.sampling_correction,
+                                             clip_min=hparams.sampling_clip_min or None,
+                                             clip_max=hparams.sampling_clip_max or None)
     numerator, denominator, sums = losses.grpo_terms(
         logps, old, advantages, loss_mask, ref_logps=ref, beta=hparams.beta, epsilon_low=hparams.epsilon_low,
         epsilon_high=hparams.epsilon_high, delta=hparams.delta or None, loss_type=hparams.loss_type,
         importance_sampling_level=hparams.importance_sampling_level,
-        max_completion_length=hparams.max_completion_length)
+        max_completion_length=hparams.max_completion_length, sampling_weights=weights)
     if "loss_share" in batch and hparams.loss_type in ("dapo", "cispo"):
         denominator = jnp.asarray(batch["loss_share"], jnp.float32).sum()  # TRL: generation tokens / steps
     metrics = {name: Metric(jax.lax.stop_gradient(total), count) for name, (total, count) in sums.items()}

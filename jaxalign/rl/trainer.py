@@ -27,7 +27,7 @@ from jaxalign.data.toy import write_jsonl
 from jaxalign.losses import group_advantages
 from jaxalign.objectives.common import policy_token_logps
 from jaxalign.rl.rewards import combine, resolve, score
-from jaxalign.sampling.generate import left_pad, sample
+from jaxalign.sampling.generate import left_pad, sample, stop_string_lengths
 from jaxalign.train import checkpoints, writers
 from jaxalign.train.build import build, run_mesh
 from jaxalign.train.evaluate import exact_match, prompt_of, reduce
@@ -104,6 +104,7 @@ class Rollouts:
     total: np.ndarray  # [N]
     advantages: np.ndarray  # [N]
     lengths: np.ndarray  # [N]
+    entropy: np.ndarray  # [N], summed over each completion's tokens (the sampling distribution's)
     seconds: float
 
 
@@ -129,7 +130,7 @@ def select_groups(parts: list[Rollouts], groups: int, size: int) -> Rollouts:
     batch = {key: cat(lambda part, key=key: part.batch[key]) for key in parts[0].batch}
     return Rollouts(batch, cat_list(lambda p: p.texts), cat_list(lambda p: p.prompts), cat(lambda p: p.rewards),
                     cat(lambda p: p.total), cat(lambda p: p.advantages), cat(lambda p: p.lengths),
-                    sum(p.seconds for p in parts))
+                    cat(lambda p: p.entropy), sum(p.seconds for p in parts))
 
 
 class GRPORun:
@@ -179,7 +180,7 @@ class GRPORun:
         def old_logps(params, frozen, batch):
             model = engine.parts.policy(params, frozen, None)
             return policy_token_logps(model, batch["tokens"], batch["attention_mask"], batch["loss_mask"],
-                                      chunk_size=hp.logps_chunk_size)
+                                      chunk_size=hp.logps_chunk_size, temperature=hp.temperature)
 
         self._old_logps = old_logps
 
@@ -205,11 +206,18 @@ class GRPORun:
                      temperature=hp.temperature, top_k=hp.top_k, top_p=hp.top_p, eos_id=tok.eos_id, pad_id=self.pad,
                      seed=rollout_seed(self.spec.seed, self.step, refill), num_samples=g)
         completion, lengths = np.asarray(gen.tokens), np.asarray(gen.lengths)
+        lengths = stop_string_lengths(completion, lengths, hp.stops,
+                                      lambda row: tok.hf.decode(row, skip_special_tokens=True))
         seconds = time.time() - started
         valid = (np.arange(completion.shape[1])[None] < lengths[:, None]).astype(np.int32)
+        completion = np.where(valid > 0, completion, self.pad)
+        prompt_zeros = np.zeros((len(valid), ids.shape[1]), np.float32)
         batch = {"tokens": np.concatenate([np.repeat(ids, g, 0), completion], 1).astype(np.int32),
                  "attention_mask": np.concatenate([np.repeat(mask, g, 0), valid], 1).astype(np.int32),
-                 "loss_mask": np.concatenate([np.zeros((len(valid), ids.shape[1]), np.int32), valid], 1)}
+                 "loss_mask": np.concatenate([np.zeros_like(prompt_zeros, np.int32), valid], 1)}
+        if hp.sampling_correction != "none":  # the sampler's log-probs, aligned with the loss mask
+            batch["sampling_logps"] = np.concatenate([prompt_zeros, np.asarray(gen.sampling_logps) * valid], 1)
+        entropy = (np.asarray(gen.entropy) * valid).sum(axis=1)
         texts = [tok.hf.decode(row[:n], skip_special_tokens=True) for row, n in zip(completion, lengths, strict=True)]
         records = [self.records[i] for i in indices for _ in range(g)]
         prompts = [tok.prompt_text(r["_prompt"]) for r in records]
@@ -221,7 +229,7 @@ class GRPORun:
         advantages = np.asarray(group_advantages(jnp.asarray(total), g, scale_rewards=hp.scale_rewards,
                                                  estimator=hp.estimator))
         batch["advantages"] = advantages.astype(np.float32)
-        return Rollouts(batch, texts, prompts, table, total, advantages, lengths, seconds)
+        return Rollouts(batch, texts, prompts, table, total, advantages, lengths, entropy, seconds)
 
     def update(self, rollouts: Rollouts) -> dict:
         """``num_iterations`` passes of ``steps_per_generation`` optimizer steps over the generation batch."""
@@ -229,8 +237,9 @@ class GRPORun:
         batch = dict(rollouts.batch)
         rows = len(batch["advantages"])
         frozen = () if engine.frozen is None else (engine.frozen,)
-        if hp.num_iterations > 1 or hp.steps_per_generation > 1:  # the sampling policy's log-probs, kept fixed
-            placed = device_batch(engine.batch_sharding, {k: v for k, v in batch.items() if k != "advantages"})
+        if hp.recompute_old_logps:  # the sampling policy's log-probs by the trainer's forward, kept fixed
+            placed = device_batch(engine.batch_sharding, {k: batch[k] for k in ("tokens", "attention_mask",
+                                                                                "loss_mask")})
             batch["old_logps"] = np.asarray(self._old_logps(engine.state.params, engine.frozen, placed))
         if hp.steps_per_generation > 1:  # TRL: each step's share of the generation batch's tokens
             batch["loss_share"] = np.full(rows, batch["loss_mask"].sum() / hp.steps_per_generation
@@ -255,6 +264,7 @@ class GRPORun:
                "completion/mean_length": float(r.lengths.mean()), "completion/min_length": float(r.lengths.min()),
                "completion/max_length": float(r.lengths.max()),
                "completion/clipped_ratio": float(np.mean(r.lengths >= c)),
+               "entropy": float(r.entropy.sum() / max(r.lengths.sum(), 1)),
                "rollout_tokens_per_s": float(r.lengths.sum() / max(r.seconds, 1e-9))}
         for k, reward in enumerate(self.rewards):
             column = r.rewards[:, k]

@@ -4,7 +4,8 @@ No Python loop per token and no recompilation per token or per length: the cache
 a bucket (at least 256 positions, doubling) and ``max_new_tokens``, the temperature and ``top_p`` are traced, so a
 graph is compiled once per (model, batch, prompt length, bucket, greedy or not, top-k, nucleus on/off). Prompts
 are left-padded. Besides the tokens, every step's chosen-token log-probability and top-1 probability (under the
-model's untempered distribution) are returned, for confidence-based methods (Nudging, SATER).
+model's untempered distribution) are returned, for confidence-based methods (Nudging, SATER), and the chosen token's
+log-probability and the entropy under the tempered distribution it was sampled from (for RL).
 """
 
 from __future__ import annotations
@@ -24,12 +25,17 @@ MIN_CACHE_BUCKET = 256
 
 class Generation(NamedTuple):
     """``tokens [B, N]`` (``pad_id`` after EOS), ``logps [B, N]`` of the chosen tokens, ``top1_probs [B, N]``
-    (probability of the most likely token at each step), ``lengths [B]`` (tokens up to and including EOS)."""
+    (probability of the most likely token at each step), ``lengths [B]`` (tokens up to and including EOS), all
+    under the model's untempered distribution; ``sampling_logps [B, N]`` and ``entropy [B, N]``: the chosen token's
+    log-probability and the entropy of ``softmax(logits / temperature)`` (before top-k / top-p; equal to ``logps``
+    and the untempered entropy when greedy). 0 after a row ends."""
 
     tokens: jax.Array
     logps: jax.Array
     top1_probs: jax.Array
     lengths: jax.Array
+    sampling_logps: jax.Array | None = None
+    entropy: jax.Array | None = None
 
 
 def sample_logits(logits: jax.Array, key: jax.Array, *, temperature: float | jax.Array = 0.0, top_k: int = 0,
@@ -98,32 +104,36 @@ def _generate(graphdef, state, prompt_tokens, prompt_mask, key, max_new_tokens, 
     first_logits = jnp.repeat(out.logits[:, -1], num_samples, axis=0)
 
     def cond(carry):
-        step, done = carry[0], carry[6]
+        step, done = carry[0], carry[4]
         return (step < max_new_tokens) & ~jnp.all(done)
 
     def body(carry):
-        step, cache, last_logits, tokens, logps, top1, done, lengths, key = carry
+        step, cache, last_logits, outputs, done, lengths, key = carry
         key, sample_key = jax.random.split(key)
         next_token = sample_logits(last_logits, sample_key, temperature=0.0 if greedy else temperature, top_k=top_k,
                                    top_p=top_p if nucleus else 1.0)
-        log_probs = jax.nn.log_softmax(last_logits.astype(jnp.float32), axis=-1)
+        logits = last_logits.astype(jnp.float32)
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        tempered = log_probs if greedy else jax.nn.log_softmax(logits / temperature, axis=-1)
         chosen_logp = jnp.take_along_axis(log_probs, next_token[:, None], axis=-1)[:, 0]
-        done = done | (jnp.exp(log_probs.max(-1)) < stop_below)  # unsure: stop before emitting this token
+        top1 = jnp.exp(log_probs.max(-1))
+        done = done | (top1 < stop_below)  # unsure: stop before emitting this token
         next_token = jnp.where(done, pad_id, next_token)
-        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, next_token[:, None], step, 1)
-        logps = jax.lax.dynamic_update_slice_in_dim(logps, jnp.where(done, 0.0, chosen_logp)[:, None], step, 1)
-        top1 = jax.lax.dynamic_update_slice_in_dim(top1, jnp.where(done, 0.0, jnp.exp(log_probs.max(-1)))[:, None],
-                                                   step, 1)
+        columns = (next_token, chosen_logp, top1, jnp.take_along_axis(tempered, next_token[:, None], axis=-1)[:, 0],
+                   -jnp.sum(jnp.exp(tempered) * jnp.where(jnp.isfinite(tempered), tempered, 0.0), axis=-1))
+        outputs = tuple(jax.lax.dynamic_update_slice_in_dim(buffer, jnp.where(done, blank, value)[:, None], step, 1)
+                        for buffer, value, blank in zip(outputs, columns, (pad_id, 0.0, 0.0, 0.0, 0.0), strict=True))
         lengths = lengths + (~done).astype(jnp.int32)
         done = done | jnp.isin(next_token, eos_ids)
         step_out = model(next_token[:, None], jnp.ones((batch, 1), bool), cache=cache)
-        return step + 1, step_out.cache, step_out.logits[:, -1], tokens, logps, top1, done, lengths, key
+        return step + 1, step_out.cache, step_out.logits[:, -1], outputs, done, lengths, key
 
-    carry = (jnp.zeros((), jnp.int32), prefill_cache, first_logits, jnp.full((batch, room), pad_id, jnp.int32),
-             jnp.zeros((batch, room), jnp.float32), jnp.zeros((batch, room), jnp.float32), jnp.zeros((batch,), bool),
+    buffers = (jnp.full((batch, room), pad_id, jnp.int32), *(jnp.zeros((batch, room), jnp.float32) for _ in range(4)))
+    carry = (jnp.zeros((), jnp.int32), prefill_cache, first_logits, buffers, jnp.zeros((batch,), bool),
              jnp.zeros((batch,), jnp.int32), key)
     result = jax.lax.while_loop(cond, body, carry)
-    return Generation(tokens=result[3], logps=result[4], top1_probs=result[5], lengths=result[7])
+    tokens, logps, top1, sampling_logps, entropy = result[3]
+    return Generation(tokens, logps, top1, result[5], sampling_logps, entropy)
 
 
 def sample(model: LlamaForCausalLM, prompt_tokens, *, prompt_mask=None, max_new_tokens: int,
@@ -158,7 +168,9 @@ def sample(model: LlamaForCausalLM, prompt_tokens, *, prompt_mask=None, max_new_
                     jnp.asarray(top_p, jnp.float32), jnp.asarray(eos, jnp.int32), jnp.asarray(stop_below, jnp.float32),
                     cache_length=cache_bucket(prompt_tokens.shape[1] + max_new_tokens), greedy=temperature == 0.0,
                     top_k=int(top_k), nucleus=top_p < 1.0, pad_id=int(pad_id), num_samples=int(num_samples))
-    return Generation(*(x[:, :max_new_tokens] for x in out[:3]), out.lengths)
+    cut = lambda x: x[:, :max_new_tokens]
+    return out._replace(tokens=cut(out.tokens), logps=cut(out.logps), top1_probs=cut(out.top1_probs),
+                        sampling_logps=cut(out.sampling_logps), entropy=cut(out.entropy))
 
 
 def generate(model: LlamaForCausalLM, prompt_tokens, *, prompt_mask=None, max_new_tokens: int,
@@ -174,3 +186,27 @@ def truncate_at_stop(text: str, stops: tuple[str, ...] | list[str]) -> str:
     """``text`` cut before the first occurrence of any stop string."""
     cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=len(text))
     return text[:cut]
+
+
+def stop_string_lengths(tokens, lengths, stops, decode) -> np.ndarray:
+    """Completion lengths ``[B]`` cut after the token that completes the first occurrence of any of ``stops`` (as
+    transformers' ``stop_strings``: the stop string stays in the output). ``decode(ids) -> str`` decodes a list of
+    token ids. Cutting after sampling equals stopping the loop there: earlier tokens never depend on later ones."""
+    stops = [s for s in stops if s]
+    out = np.asarray(lengths).copy()
+    if not stops:
+        return out
+    tokens = np.asarray(tokens)
+    for row, n in enumerate(out):
+        ids = tokens[row, :n].tolist()
+        if not any(s in decode(ids) for s in stops):
+            continue
+        low, high = 1, int(n)  # the shortest prefix whose text contains a stop string (monotone in the length)
+        while low < high:
+            mid = (low + high) // 2
+            if any(s in decode(ids[:mid]) for s in stops):
+                high = mid
+            else:
+                low = mid + 1
+        out[row] = low
+    return out
