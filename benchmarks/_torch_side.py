@@ -184,6 +184,65 @@ def trl_times(config: dict, examples: list[dict], length: int, reps: int) -> tup
     return timer.times, details
 
 
+def trl_grpo(spec: dict) -> None:
+    """TRL's ``GRPOTrainer`` for ``reps + 1`` steps on ``prompts`` prompts (the spec's ids as words), timed per step
+    (``on_step_begin`` to ``on_step_end``) and inside ``_generate_and_score_completions`` (the rollout); see
+    ``benchmarks/grpo_cpu.py``."""
+    import datasets
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    datasets.disable_progress_bars()
+    g, length, reps = spec["generations"], spec["completion_length"], spec["reps"]
+    prompts = [" ".join(word(i) for i in ids) for ids in spec["prompt_ids"]]
+    data = datasets.Dataset.from_list([{"prompt": text} for text in prompts] * (reps + 1))
+
+    def even_share(completions, completion_ids, **_):
+        return [sum(i % 2 == 0 for i in ids) / max(len(ids), 1) for ids in completion_ids]
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.start = [], 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self.start)
+
+    timer, rollouts, lengths = StepTimer(), [], []
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(output_dir=out, per_device_train_batch_size=len(prompts) * g, num_generations=g,
+                          max_completion_length=length, generation_kwargs={"min_new_tokens": length},
+                          temperature=1.0, max_steps=reps + 1, learning_rate=LR, lr_scheduler_type="constant",
+                          adam_beta1=BETAS[0], adam_beta2=BETAS[1], weight_decay=0.0, max_grad_norm=CLIP,
+                          gradient_checkpointing=False, bf16=False, use_cpu=True, report_to=[], save_strategy="no",
+                          logging_steps=10_000, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+                          shuffle_dataset=False)
+        trainer = GRPOTrainer(model=make_model(spec["config"]), reward_funcs=even_share, args=args,
+                              train_dataset=data, processing_class=word_tokenizer(spec["config"]["vocab_size"]),
+                              callbacks=[timer])
+        generate = trainer._generate_and_score_completions
+
+        def timed_generate(*a, **k):
+            start = time.perf_counter()
+            output = generate(*a, **k)
+            rollouts.append(time.perf_counter() - start)
+            lengths.append(int(output["completion_mask"].sum()))
+            return output
+
+        trainer._generate_and_score_completions = timed_generate
+        trainer.train()
+    expected = len(prompts) * g * length
+    if any(n != expected for n in lengths):
+        raise RuntimeError(f"TRL generated {lengths} completion tokens per step, expected {expected}")
+    rollout_s, train_s = rollouts, [t - r for t, r in zip(timer.times, rollouts, strict=True)]
+    emit({"side": "torch", "shape": spec["shape"], "step_s": float(np.median(timer.times[1:])),
+          "rollout_s": float(np.median(rollout_s[1:])), "train_s": float(np.median(train_s[1:])),
+          "warmup_step_s": timer.times[0], "step_times_s": timer.times, "trl": versions()["trl"],
+          "attn_implementation": trainer.model.config._attn_implementation})
+
+
 def matmul_peak(sizes: list[int]) -> dict:
     by_size = {}
     for size in sizes:
@@ -250,7 +309,8 @@ def train(spec: dict) -> None:
 
 
 def main() -> None:
-    """One task per process (``peak``, ``train`` or ``sampling``), so no measurement inherits another's heap."""
+    """One task per process (``peak``, ``train``, ``grpo`` or ``sampling``), so no measurement inherits another's
+    heap."""
     with open(sys.argv[1]) as handle:
         spec = json.load(handle)
     torch.set_num_threads(spec["threads"])
@@ -258,6 +318,8 @@ def main() -> None:
         emit({**matmul_peak(spec["peak_sizes"]), "versions": versions()})
     elif spec["task"] == "train":
         train(spec)
+    elif spec["task"] == "grpo":
+        trl_grpo(spec)
     else:
         sampling(spec)
 

@@ -51,3 +51,16 @@ def test_cpu_benchmark_smoke_writes_every_row(tmp_path):
     sampling = {r["batch"]: r for r in result["sampling"]}
     assert set(sampling) == {1, 8}
     assert all(len(r["tokens"]) == batch and r["tokens_per_s"] > 0 for batch, r in sampling.items())
+
+
+@pytest.mark.slow
+def test_grpo_benchmark_smoke_runs_the_jaxalign_side():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "benchmarks/grpo_cpu.py", "--smoke", "--no-torch"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads(done.stdout.splitlines()[0])
+    assert row["side"] == "jax" and row["shape"] == "tiny"
+    assert row["rollout_s"] > 0 and row["train_s"] > 0
+    assert row["step_s"] == pytest.approx(row["rollout_s"] + row["train_s"], rel=0.5)  # medians of each
+    assert "| tiny | jaxalign |" in done.stdout

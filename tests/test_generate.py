@@ -77,6 +77,19 @@ def test_sample_logits_support():
     np.testing.assert_allclose(counts, [0.5, 0.3, 0.15, 0.05], atol=0.04)
 
 
+def test_sample_logits_draws_the_tempered_distribution_and_never_an_excluded_token():
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.ones(64))
+    logits = np.log(probs).astype(np.float32)
+    logits[[0, 17, 63]] = -np.inf  # excluded ends and middle (as top-k / top-p exclude them)
+    rows = 100_000
+    draws = np.asarray(sample_logits(jnp.asarray(np.tile(logits, (rows, 1))), jax.random.key(1), temperature=0.5))
+    expected = np.exp(2 * logits) / np.exp(2 * logits).sum()
+    counts = np.bincount(draws, minlength=64) / rows
+    assert counts[[0, 17, 63]].sum() == 0
+    assert np.max(np.abs(counts - expected) / np.sqrt(expected * (1 - expected) / rows + 1e-12)) < 5  # 5 sigma
+
+
 def test_bad_inputs_are_reported(model):
     tokens, mask = left_padded_prompts()
     with pytest.raises(ValueError, match="left-padded"):

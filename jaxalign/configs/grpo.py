@@ -13,6 +13,7 @@ def get_config(arg=None):
     config = base.get_config()
     config.workdir = "runs/grpo"
     base.use_toy(config)
+    config.data.toy_style = "mixed"  # answers "28" or "16 + 12 = 28. The answer is 28."; only the first fits 8 tokens
     config.objective.name = "grpo"
     params = config.objective.params
     params.loss_type = "dapo"
@@ -25,7 +26,7 @@ def get_config(arg=None):
     params.temperature = 1.0
     params.rewards = "exact_number"
     params.sft_steps = 600
-    config.optim.lr = 5e-5
+    config.optim.lr = 1.5e-4
     config.optim.schedule = "constant"
     config.optim.warmup_steps = 0
     config.train.steps = 150
