@@ -64,10 +64,36 @@ def answer_styles(workdir: Path, eval_file: Path, max_new_tokens: int = 8) -> di
             "short_accuracy": sum(r for r, s in zip(right, short, strict=True) if s) / max(n_short, 1)}
 
 
-def main() -> None:
+def plot(runs: list[dict], path: Path) -> None:
+    """Held-out exact match and the sampled reward against the GRPO step, one line per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3))
+    for run in runs:
+        steps, values = zip(*run["curve"], strict=True)
+        axes[0].plot(steps, [100 * v for v in values], marker="o", label=f"seed {run['seed']}")
+        steps, values = zip(*run["reward_curve"], strict=True)
+        axes[1].plot(steps, values, label=f"seed {run['seed']}")
+        if run.get("sft_more") is not None:
+            axes[0].scatter([steps[-1]], [100 * run["sft_more"]], marker="x", color="k")
+    axes[0].set(title="held-out exact match, % (x: 150 more SFT steps)", xlabel="GRPO step")
+    axes[1].set(title="sampled reward (training prompts)", xlabel="GRPO step")
+    for ax in axes:
+        ax.title.set_fontsize(9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
     args = parser(__doc__)
     args.add_argument("--baseline", action="store_true", help="also the matched SFT-continuation arm")
-    args = args.parse_args()
+    args = args.parse_args(argv)
     started = time.time()
     root = workdir_of(args, "grpo_toy")
     seeds = seeds_of(args, (0, 1, 2))
@@ -123,8 +149,11 @@ def main() -> None:
     text += (f"\n\nGRPO gain over the SFT start: {pm(gains, 100)} points (mean ± sample std over {n} seeds; "
              f"per seed {', '.join(f'{100 * g:+.1f}' for g in gains)}; 95 % t-interval half-width "
              f"{100 * spread * {1: 0, 2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78}.get(n, 2.0) / max(np.sqrt(n), 1):.1f}).\n")
-    write(args.out if not args.smoke else root / "results", "grpo_toy", command=command_line("grpo_toy", sys.argv[1:]),
-          results={"runs": runs}, markdown=text, started=started)
+    results = {"runs": runs, "gains": gains}
+    write(args.out, "grpo_toy", command=command_line("grpo_toy", argv), results=results, markdown=text,
+          started=started)
+    plot(runs, Path(args.out) / "grpo_toy.png")
+    return results
 
 
 if __name__ == "__main__":

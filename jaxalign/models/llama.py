@@ -30,7 +30,7 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 class KVCache(NamedTuple):
-    """Decoding state: per-layer keys/values ``[B, S, kv_heads, head_dim]`` in slot order.
+    """Decoding state: per-layer keys/values ``[B, kv_heads, S, head_dim]`` (head-major) in slot order.
 
     ``valid [B, S]`` marks slots holding real tokens, ``index`` is the number of slots written (the same
     for every row), ``lengths [B]`` the number of real tokens seen per row (the next position).
@@ -44,7 +44,7 @@ class KVCache(NamedTuple):
 
     @classmethod
     def init(cls, config: LlamaConfig, batch_size: int, max_length: int) -> KVCache:
-        shape = (batch_size, max_length, config.num_kv_heads, config.head_dim)
+        shape = (batch_size, config.num_kv_heads, max_length, config.head_dim)
         zeros = tuple(jnp.zeros(shape, config.dtype) for _ in range(config.num_layers))
         return cls(keys=zeros, values=tuple(jnp.zeros(shape, config.dtype) for _ in range(config.num_layers)),
                    valid=jnp.zeros((batch_size, max_length), bool), index=jnp.zeros((), jnp.int32),
@@ -148,30 +148,31 @@ class Attention(nnx.Module):
         q = apply_rotary(self._project(x, "q"), cos, sin)
         k = apply_rotary(self._project(x, "k"), cos, sin)
         v = self._project(x, "v")
-        if cache_kv is not None:
-            keys = jax.lax.dynamic_update_slice_in_dim(cache_kv[0], k.astype(cache_kv[0].dtype), cache_index, 1)
-            values = jax.lax.dynamic_update_slice_in_dim(cache_kv[1], v.astype(cache_kv[1].dtype), cache_index, 1)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, kv_heads, T, head_dim]
+        if cache_kv is not None:  # the cache is head-major too, so no decode step transposes all of it
+            keys = jax.lax.dynamic_update_slice_in_dim(cache_kv[0], k.astype(cache_kv[0].dtype), cache_index, 2)
+            values = jax.lax.dynamic_update_slice_in_dim(cache_kv[1], v.astype(cache_kv[1].dtype), cache_index, 2)
             k, v, new_kv = keys.astype(x.dtype), values.astype(x.dtype), (keys, values)
         else:
             new_kv = None
         batch, length = x.shape[:2]
         if cfg.attention_impl != "xla":
             out = jax.nn.dot_product_attention(
-                q, k, v, mask=mask[:, None, :, :],
+                q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask=mask[:, None, :, :],
                 implementation=None if cfg.attention_impl == "dot_product" else cfg.attention_impl)
             return self._output(out), new_kv
         # grouped-query attention as batched 2-D products per (batch, kv head): the query heads of a group are
         # stacked along the query positions ([B, KV, G*T, hd]); on the CPU this runs 1.4x faster (forward +
         # backward) than a 5-D einsum, whose transposed operands XLA handles poorly there
-        groups, slots = cfg.num_heads // cfg.num_kv_heads, k.shape[1]
+        groups, slots = cfg.num_heads // cfg.num_kv_heads, k.shape[2]
         q = q.reshape(batch, length, cfg.num_kv_heads, groups, cfg.head_dim).transpose(0, 2, 3, 1, 4)
         q = q.reshape(batch, cfg.num_kv_heads, groups * length, cfg.head_dim)
-        scores = jnp.einsum("bkqd,bksd->bkqs", q, k.transpose(0, 2, 1, 3), preferred_element_type=jnp.float32)
+        scores = jnp.einsum("bkqd,bksd->bkqs", q, k, preferred_element_type=jnp.float32)
         scores = scores.reshape(batch, cfg.num_kv_heads, groups, length, slots) * (cfg.head_dim ** -0.5)
         scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         probs = probs.reshape(batch, cfg.num_kv_heads, groups * length, slots)
-        out = jnp.einsum("bkqs,bksd->bkqd", probs, v.transpose(0, 2, 1, 3))
+        out = jnp.einsum("bkqs,bksd->bkqd", probs, v)
         out = out.reshape(batch, cfg.num_kv_heads, groups, length, cfg.head_dim).transpose(0, 3, 1, 2, 4)
         return self._output(out.reshape(batch, length, cfg.num_heads, cfg.head_dim)), new_kv
 
