@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, TrainerCallback
 
 BETA, LR, BETAS, CLIP = 0.1, 1e-5, (0.9, 0.95), 1.0
 
@@ -121,6 +121,19 @@ def dpo_times(config: dict, examples: list[dict], length: int, reps: int) -> tup
     return timed(step, reps), {}
 
 
+class StepTimer(TrainerCallback):
+    """Seconds of each optimizer step, ``on_step_begin`` to ``on_step_end``."""
+
+    def __init__(self):
+        self.times, self.start = [], 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append(time.perf_counter() - self.start)
+
+
 SPECIAL_WORDS = ("<pad>", "<unk>", "</s>")  # ids 0, 1, 2; other ids are the words t<i>
 
 
@@ -140,7 +153,6 @@ def word_tokenizer(vocab_size: int):
 
 def trl_times(config: dict, examples: list[dict], length: int, reps: int) -> tuple[list[float], dict]:
     import datasets
-    from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
     datasets.disable_progress_bars()
@@ -150,16 +162,6 @@ def trl_times(config: dict, examples: list[dict], length: int, reps: int) -> tup
 
     data = datasets.Dataset.from_list([{"prompt": text(e["prompt"]), "chosen": " " + text(e["chosen"]),
                                         "rejected": " " + text(e["rejected"])} for e in examples])
-
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.times, self.start = [], 0.0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self.start)
 
     model = make_model(config)
     reference = copy.deepcopy(model).eval().requires_grad_(False)
@@ -189,7 +191,6 @@ def trl_grpo(spec: dict) -> None:
     (``on_step_begin`` to ``on_step_end``) and inside ``_generate_and_score_completions`` (the rollout); see
     ``benchmarks/grpo_cpu.py``."""
     import datasets
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     datasets.disable_progress_bars()
@@ -199,16 +200,6 @@ def trl_grpo(spec: dict) -> None:
 
     def even_share(completions, completion_ids, **_):
         return [sum(i % 2 == 0 for i in ids) / max(len(ids), 1) for ids in completion_ids]
-
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.times, self.start = [], 0.0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self.start)
 
     timer, rollouts, lengths = StepTimer(), [], []
     with tempfile.TemporaryDirectory() as out:

@@ -1,7 +1,10 @@
 """GRPO-family online RL (TRL 1.16's defaults: DAPO loss, beta 0) on toy arithmetic with a verifiable reward.
 
 With no `model.path`, the tiny random model is first trained with SFT on the same data for `sft_steps` steps (in
-`<workdir>/sft`), so that sampling already finds right answers; GRPO then raises the held-out exact match. A real
+`<workdir>/sft`), so that sampling already finds right answers. The toy answers mix a short style ("28") and a
+verbose one ("16 + 12 = 28. The answer is 28.") that does not fit the 8-token completion budget; GRPO with the
+exact-number reward raises the held-out exact match above the SFT start, mostly by moving to the short style
+(experiments/grpo_toy.py, docs/results.md). A real
 run: `model.path` = your SFT model, `data.train` = prompts with an `answer` column, `objective.params.rewards` =
 `exact_number`, `math`, `code_tests` or your own function (docs/grpo.md).
 """
