@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 MODES = ("auto", "on", "off")
 
@@ -85,3 +86,23 @@ def initialize(config: Any = None) -> bool:
                          "JAX work)") from None
     return jax.process_count() > 1
 
+
+
+def to_host(x) -> np.ndarray:
+    """The whole value of ``x`` on this host as numpy: a plain read when this process holds all of it (one process,
+    or a replicated array), else gathered from every process (``multihost_utils.process_allgather``; every
+    process must call it)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def gather_rows(local: np.ndarray) -> np.ndarray:
+    """Every process's ``local`` rows, concatenated in process order (the identity in one process)."""
+    if jax.process_count() == 1:
+        return np.asarray(local)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(np.asarray(local), tiled=True))

@@ -26,6 +26,7 @@ from jaxalign.data.sources import read_records
 from jaxalign.data.toy import write_jsonl
 from jaxalign.losses import group_advantages
 from jaxalign.objectives.common import policy_token_logps
+from jaxalign.parallel.distributed import gather_rows, to_host
 from jaxalign.rl.rewards import combine, resolve, score
 from jaxalign.sampling.generate import left_pad, sample, stop_string_lengths
 from jaxalign.train import checkpoints, writers
@@ -139,9 +140,16 @@ class GRPORun:
     def __init__(self, config, spec: RunSpec, workdir: Path, stage, log):
         self.spec, self.workdir, self.log = spec, workdir, log
         self.hp = spec.objective.params
-        if jax.process_count() > 1:  # every process would sample the whole generation batch as its own rows
-            raise ValueError(f"GRPO runs in one process for now ({jax.process_count()} processes joined); use one "
-                             "host (any number of its devices)")
+        self.processes, self.process = jax.process_count(), jax.process_index()
+        if self.processes > 1:  # every process samples the whole generation batch and trains on its own rows
+            rows = self.hp.prompts_per_step * self.hp.num_generations // self.hp.steps_per_generation
+            if rows % self.processes:
+                raise ValueError(f"{rows} completions per optimizer step do not split over {self.processes} "
+                                 "processes: make prompts_per_step x num_generations / steps_per_generation a "
+                                 "multiple of the process count")
+            if self.hp.dynamic_sampling:
+                raise ValueError("objective.params.dynamic_sampling runs in one process for now "
+                                 f"({self.processes} processes joined)")
         mesh = run_mesh(spec)
         log(describe_mesh(mesh))
         self.engine = build(spec, mesh, log=log)
@@ -205,7 +213,7 @@ class GRPORun:
         gen = sample(self.engine.policy(), ids, prompt_mask=mask, max_new_tokens=hp.max_completion_length,
                      temperature=hp.temperature, top_k=hp.top_k, top_p=hp.top_p, eos_id=tok.eos_id, pad_id=self.pad,
                      seed=rollout_seed(self.spec.seed, self.step, refill), num_samples=g)
-        completion, lengths = np.asarray(gen.tokens), np.asarray(gen.lengths)
+        completion, lengths = to_host(gen.tokens), to_host(gen.lengths)
         lengths = stop_string_lengths(completion, lengths, hp.stops,
                                       lambda row: tok.hf.decode(row, skip_special_tokens=True))
         seconds = time.time() - started
@@ -216,20 +224,27 @@ class GRPORun:
                  "attention_mask": np.concatenate([np.repeat(mask, g, 0), valid], 1).astype(np.int32),
                  "loss_mask": np.concatenate([np.zeros_like(prompt_zeros, np.int32), valid], 1)}
         if hp.sampling_correction != "none":  # the sampler's log-probs, aligned with the loss mask
-            batch["sampling_logps"] = np.concatenate([prompt_zeros, np.asarray(gen.sampling_logps) * valid], 1)
-        entropy = (np.asarray(gen.entropy) * valid).sum(axis=1)
+            batch["sampling_logps"] = np.concatenate([prompt_zeros, to_host(gen.sampling_logps) * valid], 1)
+        entropy = (to_host(gen.entropy) * valid).sum(axis=1)
         texts = [tok.hf.decode(row[:n], skip_special_tokens=True) for row, n in zip(completion, lengths, strict=True)]
         records = [self.records[i] for i in indices for _ in range(g)]
         prompts = [tok.prompt_text(r["_prompt"]) for r in records]
         columns = sorted({k for r in records for k in r if not k.startswith("_") and k not in ("messages", "prompt")})
         fields = {k: [r.get(k) for r in records] for k in columns}
         fields["completion_lengths"] = lengths.tolist()
-        table = score(self.rewards, prompts, texts, fields, record_index=[int(r["_index"]) for r in records])
+        mine = self.local_rows(len(records))  # each process scores its share; the table is then shared
+        table = gather_rows(score(self.rewards, prompts[mine], texts[mine], {k: v[mine] for k, v in fields.items()},
+                                  record_index=[int(r["_index"]) for r in records[mine]]))
         total = combine(table, self.rewards)
         advantages = np.asarray(group_advantages(jnp.asarray(total), g, scale_rewards=hp.scale_rewards,
                                                  estimator=hp.estimator))
         batch["advantages"] = advantages.astype(np.float32)
         return Rollouts(batch, texts, prompts, table, total, advantages, lengths, entropy, seconds)
+
+    def local_rows(self, rows: int) -> slice:
+        """This process's block of ``rows`` consecutive rows (all of them in one process)."""
+        share = rows // self.processes
+        return slice(self.process * share, (self.process + 1) * share)
 
     def update(self, rollouts: Rollouts) -> dict:
         """``num_iterations`` passes of ``steps_per_generation`` optimizer steps over the generation batch."""
@@ -238,9 +253,10 @@ class GRPORun:
         rows = len(batch["advantages"])
         frozen = () if engine.frozen is None else (engine.frozen,)
         if hp.recompute_old_logps:  # the sampling policy's log-probs by the trainer's forward, kept fixed
-            placed = device_batch(engine.batch_sharding, {k: batch[k] for k in ("tokens", "attention_mask",
-                                                                                "loss_mask")})
-            batch["old_logps"] = np.asarray(self._old_logps(engine.state.params, engine.frozen, placed))
+            mine = self.local_rows(rows)
+            placed = device_batch(engine.batch_sharding, {k: batch[k][mine] for k in ("tokens", "attention_mask",
+                                                                                      "loss_mask")})
+            batch["old_logps"] = to_host(self._old_logps(engine.state.params, engine.frozen, placed))
         if hp.steps_per_generation > 1:  # TRL: each step's share of the generation batch's tokens
             batch["loss_share"] = np.full(rows, batch["loss_mask"].sum() / hp.steps_per_generation
                                           / (rows // hp.steps_per_generation), np.float32)
@@ -248,7 +264,8 @@ class GRPORun:
         window, counts = {}, []
         for _ in range(hp.num_iterations):
             for part in parts:
-                chunk = device_batch(engine.batch_sharding, {k: v[part] for k, v in batch.items()})
+                mine = part[self.local_rows(len(part))]  # this process's rows of the step's share
+                chunk = device_batch(engine.batch_sharding, {k: v[mine] for k, v in batch.items()})
                 engine.state, metrics = engine.train_step(engine.state, chunk, *frozen)
                 self.step += 1
                 window = metrics if not window else jax.tree.map(jnp.add, window, metrics)
@@ -324,6 +341,10 @@ def _sft_start(config, spec: RunSpec, workdir: Path, log) -> RunSpec:
         sft.data.train = str(write_jsonl(share, workdir / "data" / "sft_share.jsonl").resolve())
         log(f"objective.params.sft_share={hp.sft_share}: the SFT start trains on {len(share)} of {len(records)} "
             "records; GRPO samples the others")
+    if not (hf / "config.json").exists() and jax.process_count() > 1:
+        raise ValueError(f"objective.params.sft_steps={hp.sft_steps}: the SFT start runs in one process; give "
+                         "--config.model.path=YOUR_SFT_MODEL (for example the sft/hf folder one run of this command "
+                         f"in one process leaves; {hf} does not exist yet)")
     if not (hf / "config.json").exists():
         log(f"objective.params.sft_steps={hp.sft_steps}: SFT first, in {folder}")
         train(sft)

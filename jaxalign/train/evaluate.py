@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxalign.data.sater import extract_answer
 from jaxalign.data.tokenize import as_tokenizer
+from jaxalign.parallel.distributed import to_host
 from jaxalign.sampling import generate, left_pad
 from jaxalign.train.inputs import device_batch
 from jaxalign.train.step import ModelParts, full_parts
@@ -42,8 +42,8 @@ def exact_match(model, tokenizer, records: list[dict], *, max_new_tokens: int = 
         chunk = prompts[start:start + batch_size]
         chunk = chunk + [chunk[-1]] * (batch_size - len(chunk))  # fixed shape: one compilation
         tokens, mask = left_pad(chunk, pad, width)
-        out = np.asarray(generate(model, tokens, prompt_mask=mask, max_new_tokens=max_new_tokens,
-                                  eos_id=tok.eos_id, pad_id=pad))
+        out = to_host(generate(model, tokens, prompt_mask=mask, max_new_tokens=max_new_tokens, eos_id=tok.eos_id,
+                               pad_id=pad))  # every process generates the same rows
         for row in range(min(batch_size, len(prompts) - start)):
             answer = usable[start + row][1]
             text = tok.hf.decode(out[row], skip_special_tokens=True)
