@@ -221,6 +221,15 @@ def test_sft_share_keeps_the_sft_questions_out_of_grpo(tmp_path):
     assert sampled and not any(q in s["prompt"] for s in sampled for q in questions)
 
 
+def test_stop_strings_parse_one_string_or_a_json_list():
+    assert GRPOParams(stop_strings="[END]").stops == ("[END]",)
+    assert GRPOParams(stop_strings="\n\n").stops == ("\n\n",)
+    assert GRPOParams(stop_strings='["a", "User:"]').stops == ("a", "User:")
+    assert GRPOParams(stop_strings=["a", "b"]).stops == ("a", "b")  # a list from the command line
+    with pytest.raises(ValueError, match="neither one string nor a JSON list"):
+        GRPOParams(stop_strings='["a", "b"')
+
+
 def test_stop_strings_and_the_sampling_correction_in_a_run(tmp_path):
     workdir = tmp_path / "run"
     summary = train(grpo_config(workdir, "--config.train.steps=2", "--config.eval.generate=0",

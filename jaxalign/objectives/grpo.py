@@ -25,7 +25,8 @@ class GRPOParams(EngineParams):
     same run folder (``sft/``), so the policy can already answer; with ``sft_share > 0`` the SFT start sees only
     that share of the training questions (by a hash of the prompt) and GRPO samples only the others.
     ``dynamic_sampling`` (DAPO): groups whose rewards are all equal are dropped and more prompts sampled, up to
-    ``max_refills`` times, to fill the batch. ``stop_strings``: one string, or a JSON list of strings; a
+    ``max_refills`` times, to fill the batch. ``stop_strings``: one string, or a JSON list of strings (starting
+    ``["``); a
     completion ends after the token that completes one (it stays in the text). ``sampling_correction``: TRL's
     truncated / masked importance sampling for the sampler-trainer mismatch (``losses.sampling_correction``;
     the sampling policy's log-probs are then always recomputed by the trainer), bounds ``sampling_clip_min``
@@ -69,10 +70,11 @@ class GRPOParams(EngineParams):
         value = self.stop_strings
         if not value:
             return ()
-        if isinstance(value, str) and value.lstrip().startswith("["):
-            value = json.loads(value)
-        elif isinstance(value, str):
-            return (value,)
+        if isinstance(value, str):
+            text = value.strip()
+            if not text.startswith('["'):  # one stop string, which may itself look like "[END]"
+                return (value,)
+            value = json.loads(text)  # a JSON list of strings; a malformed one is an error, not a stop string
         if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
             raise ValueError(f"stop_strings={self.stop_strings!r}: a JSON list must hold non-empty strings")
         return tuple(value)
