@@ -31,9 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import command_line, parser, pm, seeds_of, table, workdir_of, write
 
 from jaxalign.data.sources import read_records
-from jaxalign.sampling import generate, left_pad
 from jaxalign.train import load_config, train
-from jaxalign.train.evaluate import extract_answer, prompt_of
+from jaxalign.train.evaluate import extract_answer, greedy_answers, prompt_of
 from jaxalign.train.export import restore_model
 
 SMOKE = ["--config.objective.params.sft_steps=20", "--config.train.steps=4", "--config.train.eval_every=2",
@@ -48,15 +47,9 @@ def evaluations(workdir: Path) -> list[dict]:
 def answer_styles(workdir: Path, eval_file: Path, max_new_tokens: int = 8) -> dict:
     """Share of held-out greedy answers in the short style (a bare number) and the exact match among them."""
     model, tokenizer, _ = restore_model(workdir)
-    from jaxalign.data.tokenize import as_tokenizer
-
-    tok = as_tokenizer(tokenizer)
     records = [r for _, r in read_records(eval_file)]
-    prompts = [tok.encode_prompt(prompt_of(r)) for r in records]
-    tokens, mask = left_pad(prompts, tokenizer.pad_token_id or 0)
-    out = np.asarray(generate(model, tokens, prompt_mask=mask, max_new_tokens=max_new_tokens, eos_id=tok.eos_id,
-                              pad_id=tokenizer.pad_token_id or 0))
-    texts = [tokenizer.decode(row, skip_special_tokens=True).strip() for row in out]
+    texts = [t.strip() for t in greedy_answers(model, tokenizer, [prompt_of(r) for r in records],
+                                               max_new_tokens=max_new_tokens)]
     short = [t.lstrip("-").isdigit() for t in texts]
     right = [extract_answer(t) == str(r["answer"]) for t, r in zip(texts, records, strict=True)]
     n_short = sum(short)

@@ -27,28 +27,34 @@ def prompt_of(record: dict):
     return None
 
 
-def exact_match(model, tokenizer, records: list[dict], *, max_new_tokens: int = 8, batch_size: int = 64) -> float:
-    """Share of ``records`` whose greedy answer's last integer equals ``record["answer"]``. ``tokenizer``: the
-    run's ``Tokenizer`` (or a transformers tokenizer)."""
+def greedy_answers(model, tokenizer, prompts: list, *, max_new_tokens: int = 8, batch_size: int = 64) -> list[str]:
+    """The greedy completion text of each chat prompt (a list of messages), in fixed-shape batches of
+    ``batch_size`` (one compilation). ``tokenizer``: the run's ``Tokenizer`` (or a transformers tokenizer)."""
     tok = as_tokenizer(tokenizer)
-    usable = [(prompt_of(r), str(r["answer"])) for r in records if "answer" in r and prompt_of(r) is not None]
-    if not usable:
-        return float("nan")
-    prompts = [tok.encode_prompt(p) for p, _ in usable]
-    width = max(len(p) for p in prompts)
+    encoded = [tok.encode_prompt(p) for p in prompts]
+    width = max(len(p) for p in encoded)
     pad = tok.hf.pad_token_id if tok.hf.pad_token_id is not None else 0
-    correct = 0
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
+    texts = []
+    for start in range(0, len(encoded), batch_size):
+        chunk = encoded[start:start + batch_size]
         chunk = chunk + [chunk[-1]] * (batch_size - len(chunk))  # fixed shape: one compilation
         tokens, mask = left_pad(chunk, pad, width)
         out = to_host(generate(model, tokens, prompt_mask=mask, max_new_tokens=max_new_tokens, eos_id=tok.eos_id,
                                pad_id=pad))  # every process generates the same rows
-        for row in range(min(batch_size, len(prompts) - start)):
-            answer = usable[start + row][1]
-            text = tok.hf.decode(out[row], skip_special_tokens=True)
-            correct += extract_answer(text) == answer
-    return correct / len(usable)
+        texts += [tok.hf.decode(out[row], skip_special_tokens=True)
+                  for row in range(min(batch_size, len(encoded) - start))]
+    return texts
+
+
+def exact_match(model, tokenizer, records: list[dict], *, max_new_tokens: int = 8, batch_size: int = 64) -> float:
+    """Share of ``records`` whose greedy answer's last integer equals ``record["answer"]``. ``tokenizer``: the
+    run's ``Tokenizer`` (or a transformers tokenizer)."""
+    usable = [(prompt_of(r), str(r["answer"])) for r in records if "answer" in r and prompt_of(r) is not None]
+    if not usable:
+        return float("nan")
+    texts = greedy_answers(model, tokenizer, [p for p, _ in usable], max_new_tokens=max_new_tokens,
+                           batch_size=batch_size)
+    return sum(extract_answer(text) == answer for text, (_, answer) in zip(texts, usable, strict=True)) / len(usable)
 
 
 def make_eval_step(parts, objective, hparams):
