@@ -82,7 +82,8 @@ def test_return_hidden(tiny_model, tiny_config):
 
 def test_positions_from_mask():
     mask = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0]])
-    np.testing.assert_array_equal(positions_from_mask(mask), [[0, 0, 0, 1, 2], [0, 1, 2, 2, 2]])
+    # right padding keeps counting (transformers' arange positions); left padding gets 0
+    np.testing.assert_array_equal(positions_from_mask(mask), [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]])
     segments = jnp.array([[1, 1, 2, 2, 2, 0], [1, 2, 2, 3, 0, 0]])
     np.testing.assert_array_equal(positions_from_mask(segments > 0, segments),
                                   [[0, 1, 0, 1, 2, 0], [0, 0, 1, 0, 0, 1]])

@@ -41,3 +41,30 @@ def torch_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
         out = model(input_ids=torch.tensor(tokens, dtype=torch.long),
                     attention_mask=torch.tensor(mask, dtype=torch.long))
     return out.logits.float().numpy()
+
+
+def jax_grads_by_hf_name(grads_state) -> dict[str, np.ndarray]:
+    """An ``nnx.State`` of gradients (our layout) as HF-named, HF-shaped arrays, to compare with ``param.grad``."""
+    from flax import nnx
+
+    from jaxalign.models.hf import hf_layout, to_hf
+
+    out = {}
+    for path, value in nnx.to_flat_state(grads_state):
+        name, kind = hf_layout(path)
+        out[name] = np.array(to_hf(kind, np.asarray(value.get_value() if hasattr(value, "get_value") else value)))
+    return out
+
+
+def assert_grads_match(torch_model, jax_grads: dict[str, np.ndarray], rtol: float = 1e-4) -> None:
+    """Every trained tensor's gradient: ``|g_jax − g_torch| / |g_torch| <= rtol`` (Frobenius norms)."""
+    seen = 0
+    for name, param in torch_model.named_parameters():
+        if param.grad is None or name not in jax_grads:
+            continue
+        expected = param.grad.double().numpy()
+        got = jax_grads[name].astype(np.float64)
+        err = np.linalg.norm(got - expected) / max(np.linalg.norm(expected), 1e-12)
+        assert err <= rtol, f"{name}: relative gradient error {err:.2e}"
+        seen += 1
+    assert seen == len(jax_grads), f"compared {seen} of {len(jax_grads)} tensors"

@@ -221,9 +221,17 @@ class DecoderLayer(nnx.Module):
 
 
 def positions_from_mask(attention_mask: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-    """Positions ``[B, T]``: 0, 1, ... over real tokens (left padding gets 0), restarting per segment."""
+    """Positions ``[B, T]``: 0, 1, ... over real tokens (left padding gets 0), restarting per segment.
+
+    Right padding keeps counting past a row's last real token, as transformers' ``arange`` positions do, so the
+    hidden states at padding positions (which MPO's official mean pooling reads) equal transformers'; the
+    positions of real tokens do not depend on the padding."""
     if segment_ids is None:
-        return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
+        mask = attention_mask.astype(jnp.int32)
+        index = jnp.arange(mask.shape[1], dtype=jnp.int32)[None, :]
+        last = jnp.max(jnp.where(mask > 0, index, -1), axis=1, keepdims=True)
+        past_end = mask.sum(axis=1, keepdims=True) - 1 + index - last
+        return jnp.where(index > last, past_end, jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0))
     index = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)[None, :]
     boundary = jnp.concatenate(
         [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
