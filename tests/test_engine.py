@@ -44,8 +44,10 @@ def train_losses(workdir: Path) -> list[float]:
 def test_config_json_records_every_value_and_reruns_the_run(tmp_path):
     train(load_config("dpo", [*SMALL, f"--config.workdir={tmp_path / 'a'}"]))
     saved = json.loads((tmp_path / "a" / "config.json").read_text())
-    assert saved["objective"]["params"] == {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid",
-                                            "reference_free": False, "ipo_average": True, "logps_chunk_size": -1}
+    assert saved["objective"]["params"] == {
+        "beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid", "loss_weights": [], "rpo_alpha": 0.0,
+        "reference_free": False, "ipo_average": True, "ld_alpha": 1.0, "use_weighting": False, "discopop_tau": 0.05,
+        "f_divergence_type": "reverse_kl", "f_alpha_divergence_coef": 0.5, "logps_chunk_size": -1}
     assert saved["mesh"]["rules"] == format_rules(DEFAULT_RULES)
     rerun = load_config(str(tmp_path / "a" / "config.json"), [f"--config.workdir={tmp_path / 'b'}"])
     assert RunSpec.from_config(rerun).objective.params == RunSpec.from_config(

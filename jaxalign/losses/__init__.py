@@ -8,18 +8,34 @@ from jaxalign.losses.ift import ift, ift_weights, reverse_discounted_cumsum
 from jaxalign.losses.logps import (
     fused_head_logps,
     greedy_from_hidden,
+    log_sum_sq_probs,
     sequence_logps,
     token_logps,
     token_logps_from_hidden,
 )
 from jaxalign.losses.mpo import mpo, reward_gap
-from jaxalign.losses.preference import DPO_LOSS_TYPES, dpo, log1mexp, orpo, simpo
+from jaxalign.losses.preference import (
+    DPO_LOSS_TYPES,
+    F_DIVERGENCE_LOSS_TYPES,
+    F_DIVERGENCES,
+    SORTING_LOSS_TYPES,
+    dpo,
+    f_divergence_scores,
+    log1mexp,
+    loss_types,
+    orpo,
+    simpo,
+)
 from jaxalign.losses.sft import sft
 
 __all__ = [
     "DPO_LOSS_TYPES",
+    "F_DIVERGENCES",
+    "F_DIVERGENCE_LOSS_TYPES",
     "GRPO_LOSS_TYPES",
+    "SORTING_LOSS_TYPES",
     "dpo",
+    "f_divergence_scores",
     "fused_head_logps",
     "greedy_from_hidden",
     "group_advantages",
@@ -28,6 +44,8 @@ __all__ = [
     "ift",
     "ift_weights",
     "log1mexp",
+    "log_sum_sq_probs",
+    "loss_types",
     "mpo",
     "orpo",
     "reverse_discounted_cumsum",

@@ -238,3 +238,31 @@ def greedy_from_hidden(hidden: jax.Array, head_kernel: jax.Array, *, chunk_size:
     init = (jnp.full((flat.shape[0],), -jnp.inf, jnp.float32), jnp.zeros((flat.shape[0],), jnp.int32))
     (_, best), _ = jax.lax.scan(body, init, tiles_and_starts)
     return best.reshape(batch, length)
+
+
+def log_sum_sq_probs(hidden: jax.Array, head_kernel: jax.Array, *, chunk_size: int = 0) -> jax.Array:
+    """``log Σ_v p(v | tokens[<t])²`` at token positions ``[B, T]`` float32 (position 0, which nothing predicts,
+    is 0), gradient-free: WPO's per-token normaliser (Zhou et al., 2024, arXiv 2406.11827, eq. 2, as TRL 1.16
+    computes it). ``chunk_size > 0`` walks the vocabulary in tiles of that many columns (never holding
+    ``[B, T, V]``); 0 forms the logits at once.
+
+    ``log Σ p² = logsumexp(2z) − 2·logsumexp(z)`` of the logits ``z``."""
+    batch, length, dim = hidden.shape
+    hidden = jax.lax.stop_gradient(hidden[:, :-1].reshape(-1, dim))
+    head_kernel = jax.lax.stop_gradient(head_kernel)
+    vocab = head_kernel.shape[1]
+    if chunk_size <= 0:
+        logits = jnp.dot(hidden, head_kernel.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        value = jax.nn.logsumexp(2 * logits, axis=-1) - 2 * jax.nn.logsumexp(logits, axis=-1)
+    else:
+        def body(carry, xs):
+            lse, lse2 = carry
+            logits = _tile_logits(hidden, *xs, vocab)
+            return (jnp.logaddexp(lse, jax.nn.logsumexp(logits, axis=-1)),
+                    jnp.logaddexp(lse2, jax.nn.logsumexp(2 * logits, axis=-1))), None
+
+        start = jnp.full((hidden.shape[0],), -jnp.inf, jnp.float32)
+        (lse, lse2), _ = jax.lax.scan(body, (start, start), _vocab_tiles(head_kernel, min(chunk_size, vocab),
+                                                                         hidden.dtype))
+        value = lse2 - 2 * lse
+    return jnp.pad(value.reshape(batch, length - 1), ((0, 0), (1, 0)))

@@ -1,4 +1,4 @@
-"""Pairwise preference losses on summed sequence log-probs: DPO (sigmoid / IPO / hinge), SimPO, ORPO.
+"""Pairwise preference losses on summed sequence log-probs: DPO (TRL 1.16's loss types), SimPO, ORPO, CPO.
 
 Inputs are per-pair ``[B]`` arrays. Each function returns ``(per_pair_loss [B], metrics)`` with per-pair
 metrics under TRL's names (``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``,
@@ -7,10 +7,18 @@ metrics under TRL's names (``rewards/chosen``, ``rewards/rejected``, ``rewards/m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
+# TRL 1.16's DPOTrainer loss types, in its order
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+                  "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+# the losses whose reward difference cancels f-DPO's log Z term (TRL refuses the others)
+F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
+SORTING_LOSS_TYPES = ("aot", "aot_unpaired")  # sort over the batch: per-pair weights would be misaligned
 
 
 def _f32(*arrays):
@@ -28,36 +36,143 @@ def _reward_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_log
     }
 
 
+def loss_types(loss_type: str | Sequence[str]) -> tuple[str, ...]:
+    """``"sigmoid"``, ``"sigmoid,sft"`` or ``("sigmoid", "sft")`` as a tuple of names (each checked)."""
+    names = tuple(n.strip() for n in loss_type.split(",")) if isinstance(loss_type, str) else tuple(loss_type)
+    unknown = [n for n in names if n not in DPO_LOSS_TYPES]
+    if not names or unknown:
+        raise ValueError(f"loss_type={loss_type!r}; expected one or more of {DPO_LOSS_TYPES}")
+    return names
+
+
+def f_divergence_scores(logratios: jax.Array, f_divergence_type: str, alpha: float = 0.5) -> jax.Array:
+    """f-DPO (Wang et al., 2023, arXiv 2309.16240): ``f'(π/π_ref)`` of the log-ratios, as TRL computes it
+    (``reverse_kl`` = the log-ratio itself; alpha's exponent clamped at 80 as TRL clamps float32)."""
+    if f_divergence_type == "reverse_kl":
+        return logratios
+    if f_divergence_type == "forward_kl":
+        return 1 - jnp.exp(-logratios)
+    if f_divergence_type == "js_divergence":
+        return jnp.log(2.0) + jax.nn.log_sigmoid(logratios)
+    if f_divergence_type == "alpha_divergence":
+        if abs(alpha - 1.0) < 1e-6:
+            return logratios
+        return (jnp.exp(jnp.minimum((alpha - 1.0) * logratios, 80.0)) - 1.0) / (alpha - 1.0)
+    raise ValueError(f"f_divergence_type={f_divergence_type!r}; expected one of {F_DIVERGENCES}")
+
+
+def _sorted(x: jax.Array, valid: jax.Array) -> jax.Array:
+    """The valid entries of ``x`` sorted ascending, written back to the valid slots in order (the k-th valid
+    slot gets the k-th smallest value), 0 in the others: filler rows stay out of the sort."""
+    slots = jnp.argsort(jnp.logical_not(valid), stable=True)  # the valid slots first, in order
+    values = jnp.where(jnp.sort(valid)[::-1], jnp.sort(jnp.where(valid, x, jnp.inf)), 0.0)
+    return jnp.zeros_like(x).at[slots].set(values)
+
+
 def dpo(policy_chosen: jax.Array, policy_rejected: jax.Array, ref_chosen: jax.Array, ref_rejected: jax.Array,
-        *, beta: float = 0.1, label_smoothing: float = 0.0, loss_type: str = "sigmoid",
+        *, beta: float = 0.1, label_smoothing: float = 0.0, loss_type: str | Sequence[str] = "sigmoid",
+        loss_weights: Sequence[float] | None = None, chosen_len: jax.Array | None = None,
+        rejected_len: jax.Array | None = None, valid: jax.Array | None = None,
+        sequence_weights: jax.Array | None = None, sft_chosen_logps: jax.Array | None = None,
+        discopop_tau: float = 0.05, f_divergence_type: str = "reverse_kl", f_alpha_divergence_coef: float = 0.5,
         ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Direct Preference Optimization (Rafailov et al., 2023, arXiv 2305.18290) and variants.
+    """Direct Preference Optimization (Rafailov et al., 2023, arXiv 2305.18290) and TRL 1.16's variants.
 
-
-    With ``h = (π_c − ref_c) − (π_r − ref_r)`` (log-probs, ``[B]``):
-      * ``sigmoid``: ``−(1−ε)·log σ(β h) − ε·log σ(−β h)`` (ε = ``label_smoothing``, cDPO);
-      * ``ipo``: ``(h − 1/(2β))²`` (Azar et al., 2023, arXiv 2310.12036; pass length-averaged log-probs as TRL does);
-      * ``hinge``: ``max(0, 1 − β h)`` (SLiC, Zhao et al., 2023);
-      * ``robust``: ``[−(1−ε) log σ(β h) + ε log σ(−β h)] / (1 − 2ε)`` (rDPO, Chowdhury et al., 2024; TRL's
-        ``label_smoothing`` for noisy labels).
-    Zero reference log-probs give reference-free DPO. Rewards: ``β (π − ref)``, gradient-free.
+    Log-ratios ``ρ = π − ref`` (summed log-probs, ``[B]``), scores ``s = f'(ρ)`` (``f_divergence_type``,
+    reverse KL: ``s = ρ``), ``h = s_c − s_r``. Per pair, for each ``loss_type`` (a name, ``"a,b"`` or a
+    sequence, combined as ``Σ loss_weights[k] · loss_k``, TRL's ``loss_weights``):
+      * ``sigmoid``: ``−(1−ε)·log σ(βh) − ε·log σ(−βh)`` (ε = ``label_smoothing``: cDPO; TRL 1.16 has ε = 0);
+      * ``hinge``: ``max(0, 1 − βh)`` (SLiC);
+      * ``ipo``: ``(h − 1/(2β))²`` (IPO); with ``chosen_len``/``rejected_len`` the scores are length-averaged
+        first, as TRL does;
+      * ``exo_pair``: EXO's reverse KL to ``[1−ε, ε]`` (needs ε > 0; EXO recommends 1e-3);
+      * ``nca_pair``: ``−log σ(βρ_c) − ½ log σ(−βρ_c) − ½ log σ(−βρ_r)`` (NCA);
+      * ``robust``: ``[−(1−ε) log σ(βh) + ε log σ(−βh)] / (1 − 2ε)`` (rDPO);
+      * ``bco_pair``: ``−log σ(βρ_c) − log σ(−βρ_r)`` (TRL 1.16: no running reward mean);
+      * ``sppo_hard``: ``(ρ_c − 1/(2β))² + (ρ_r + 1/(2β))²``;
+      * ``aot``, ``aot_unpaired``: AOT's sorted log-ratio gaps (over the ``valid`` rows of this batch);
+      * ``apo_zero``, ``apo_down``: APO (D'Oosterlinck et al., 2024);
+      * ``discopop``: DiscoPOP's blend of logistic and exponential losses (``discopop_tau``);
+      * ``sft``: the chosen completions' NLL, one token mean over the batch's valid rows (``sft_chosen_logps``:
+        the unweighted summed log-probs if ``policy_chosen`` are weighted, as LD-DPO's are), needs ``chosen_len``;
+      * ``sigmoid_norm``: ``−log σ(β(s_c/len_c − s_r/len_r))``, needs the lengths.
+    ``sequence_weights`` (e.g. WPO's) multiply every pair's loss. Zero reference log-probs give
+    reference-free DPO. Rewards: ``βρ``, gradient-free.
     """
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}; expected one of {DPO_LOSS_TYPES}")
+    names = loss_types(loss_type)
+    weights = tuple(loss_weights) if loss_weights is not None else (1.0,) * len(names)
+    if len(weights) != len(names):
+        raise ValueError(f"loss_weights={loss_weights!r} has {len(weights)} entries for loss types {names}")
+    if f_divergence_type != "reverse_kl" and not set(names) <= set(F_DIVERGENCE_LOSS_TYPES):
+        raise ValueError(f"f_divergence_type={f_divergence_type!r} works with {F_DIVERGENCE_LOSS_TYPES} only, "
+                         f"not {names}")
+    if "exo_pair" in names and label_smoothing <= 0:
+        raise ValueError("loss_type exo_pair needs label_smoothing > 0 (EXO recommends 1e-3)")
+    if {"sft", "sigmoid_norm"} & set(names) and (chosen_len is None or rejected_len is None):
+        raise ValueError(f"loss types sft and sigmoid_norm need chosen_len and rejected_len; got {names}")
+    if sequence_weights is not None and set(names) & set(SORTING_LOSS_TYPES):
+        raise ValueError("sequence weights (WPO) cannot be combined with aot / aot_unpaired, which sort the pairs")
     policy_chosen, policy_rejected, ref_chosen, ref_rejected = _f32(policy_chosen, policy_rejected, ref_chosen,
                                                                     ref_rejected)
-    h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
-    if loss_type == "sigmoid":
-        loss = -(1 - label_smoothing) * jax.nn.log_sigmoid(beta * h) - label_smoothing * jax.nn.log_sigmoid(-beta * h)
-    elif loss_type == "ipo":
-        loss = (h - 1 / (2 * beta)) ** 2
-    elif loss_type == "robust":
-        loss = (-(1 - label_smoothing) * jax.nn.log_sigmoid(beta * h)
-                + label_smoothing * jax.nn.log_sigmoid(-beta * h)) / (1 - 2 * label_smoothing)
-    else:
-        loss = jax.nn.relu(1 - beta * h)
-    chosen_rewards = jax.lax.stop_gradient(beta * (policy_chosen - ref_chosen))
-    rejected_rewards = jax.lax.stop_gradient(beta * (policy_rejected - ref_rejected))
+    valid = jnp.ones(policy_chosen.shape, bool) if valid is None else jnp.asarray(valid) > 0
+    chosen_ratio, rejected_ratio = policy_chosen - ref_chosen, policy_rejected - ref_rejected
+    chosen_score = f_divergence_scores(chosen_ratio, f_divergence_type, f_alpha_divergence_coef)
+    rejected_score = f_divergence_scores(rejected_ratio, f_divergence_type, f_alpha_divergence_coef)
+    h = chosen_score - rejected_score
+    eps = label_smoothing
+
+    def averaged():
+        c_len, r_len = _f32(chosen_len, rejected_len)
+        return chosen_score / jnp.maximum(c_len, 1.0) - rejected_score / jnp.maximum(r_len, 1.0)
+
+    def smoothed_sigmoid(delta):
+        return -(1 - eps) * jax.nn.log_sigmoid(beta * delta) - eps * jax.nn.log_sigmoid(-beta * delta)
+
+    def one(name):
+        if name == "sigmoid":
+            return smoothed_sigmoid(h)
+        if name == "hinge":
+            return jax.nn.relu(1 - beta * h)
+        if name == "ipo":
+            delta = h if chosen_len is None or rejected_len is None else averaged()
+            return (delta - 1 / (2 * beta)) ** 2
+        if name == "exo_pair":
+            z = beta * h
+            return (jax.nn.sigmoid(z) * (jax.nn.log_sigmoid(z) - jnp.log1p(-eps))
+                    + jax.nn.sigmoid(-z) * (jax.nn.log_sigmoid(-z) - jnp.log(eps)))
+        if name == "nca_pair":
+            return (-jax.nn.log_sigmoid(beta * chosen_ratio) - 0.5 * jax.nn.log_sigmoid(-beta * chosen_ratio)
+                    - 0.5 * jax.nn.log_sigmoid(-beta * rejected_ratio))
+        if name == "robust":
+            return (-(1 - eps) * jax.nn.log_sigmoid(beta * h) + eps * jax.nn.log_sigmoid(-beta * h)) / (1 - 2 * eps)
+        if name == "bco_pair":
+            return -jax.nn.log_sigmoid(beta * chosen_ratio) - jax.nn.log_sigmoid(-beta * rejected_ratio)
+        if name == "sppo_hard":
+            return (chosen_ratio - 0.5 / beta) ** 2 + (rejected_ratio + 0.5 / beta) ** 2
+        if name == "aot":
+            return smoothed_sigmoid(_sorted(policy_chosen - policy_rejected, valid)
+                                    - _sorted(ref_chosen - ref_rejected, valid))
+        if name == "aot_unpaired":
+            return smoothed_sigmoid(_sorted(chosen_ratio, valid) - _sorted(rejected_ratio, valid))
+        if name == "apo_zero":
+            return 1 - jax.nn.sigmoid(beta * chosen_ratio) + jax.nn.sigmoid(beta * rejected_ratio)
+        if name == "apo_down":
+            return jax.nn.sigmoid(beta * chosen_ratio) + 1 - jax.nn.sigmoid(beta * (chosen_ratio - rejected_ratio))
+        if name == "discopop":
+            logits = beta * h
+            modulation = jax.nn.sigmoid(logits / discopop_tau)
+            return -jax.nn.log_sigmoid(logits) * (1 - modulation) + jnp.exp(-logits) * modulation
+        if name == "sft":
+            logps = policy_chosen if sft_chosen_logps is None else jnp.asarray(sft_chosen_logps, jnp.float32)
+            tokens = jnp.where(valid, jnp.asarray(chosen_len, jnp.float32), 0.0).sum()
+            return jnp.broadcast_to(-jnp.where(valid, logps, 0.0).sum() / jnp.maximum(tokens, 1.0), h.shape)
+        return -jax.nn.log_sigmoid(beta * averaged())  # sigmoid_norm
+
+    loss = sum(weight * one(name) for name, weight in zip(names, weights, strict=True))
+    if sequence_weights is not None:
+        loss = loss * jax.lax.stop_gradient(jnp.asarray(sequence_weights, jnp.float32))
+    chosen_rewards = jax.lax.stop_gradient(beta * chosen_ratio)
+    rejected_rewards = jax.lax.stop_gradient(beta * rejected_ratio)
     return loss, _reward_metrics(chosen_rewards, rejected_rewards, jax.lax.stop_gradient(policy_chosen),
                                  jax.lax.stop_gradient(policy_rejected))
 

@@ -1,4 +1,4 @@
-"""Preference objectives: DPO (+IPO, hinge, label smoothing, reference-free), SimPO, ORPO.
+"""Preference objectives: DPO (TRL 1.16's loss types and their combinations, LD-DPO, WPO, f-DPO), SimPO, ORPO, CPO.
 
 Chosen and rejected run in one concatenated forward pass (``[2B, T]``), or, with ``data.packing``, as segments
 of shared rows (padding-free: per-segment log-prob sums recover each pair). DPO's reference log-probs come from
@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxalign import losses
+from jaxalign.losses.logps import log_sum_sq_probs
 from jaxalign.objectives.common import (
     EngineParams,
     Metric,
@@ -21,6 +22,7 @@ from jaxalign.objectives.common import (
     example_weights,
     policy_token_logps,
     require,
+    resolve_chunk_size,
     weighted_means,
 )
 
@@ -29,24 +31,6 @@ def is_packed(batch) -> bool:
     """Pair-packed rows (``data.packing`` with preference data): ``tokens``/``segment_ids`` ``[R, L]`` holding
     each pair's chosen and rejected sequence as segments ``2k+1`` and ``2k+2``, ``pair_mask [R, P]``."""
     return "pair_mask" in batch
-
-
-def packed_pair_logps(model, batch, *, chunk_size: int = 0, scope: str = "policy"):
-    """``pair_logps`` of a pair-packed batch: per-segment sums of the token log-probs, flattened to ``[R·P]``
-    pairs (empty pair slots give zeros and weight 0 in ``pair_weights``)."""
-    tokens, attention_mask, loss_mask, segments = require(batch, "tokens", "attention_mask", "loss_mask",
-                                                          "segment_ids", objective="packed preference")
-    with jax.named_scope(scope):
-        logps = policy_token_logps(model, tokens, attention_mask, loss_mask, segment_ids=segments,
-                                   chunk_size=chunk_size)
-    n_pairs = batch["pair_mask"].shape[1]
-    trained = jnp.asarray(loss_mask, bool)
-    # [R, L, 2P]: which segment each trained token belongs to (segment 0 = padding, never trained)
-    member = ((segments[..., None] == jnp.arange(1, 2 * n_pairs + 1)) & trained[..., None]).astype(jnp.float32)
-    sums = jnp.einsum("rl,rls->rs", logps, member)
-    counts = member.sum(axis=1)
-    return (sums[:, 0::2].reshape(-1), sums[:, 1::2].reshape(-1), counts[:, 0::2].reshape(-1),
-            counts[:, 1::2].reshape(-1))
 
 
 def pair_weights(batch, size: int) -> jax.Array:
@@ -70,7 +54,8 @@ def pair_logps(model, batch, objective: str, *, prefix: str = "", chunk_size: in
     if is_packed(batch) and not prefix:
         if return_hidden:
             raise ValueError(f"{objective}: hidden states of packed pairs are not supported")
-        return packed_pair_logps(model, batch, chunk_size=chunk_size, scope=scope)
+        sums = pair_sums(model, batch, objective, chunk_size=chunk_size, scope=scope)
+        return sums["chosen"], sums["rejected"], sums["chosen_len"], sums["rejected_len"]
     tokens, attention_mask, loss_mask = concat_pair(batch, prefix, objective)
     with jax.named_scope(scope):
         out = policy_token_logps(model, tokens, attention_mask, loss_mask, chunk_size=chunk_size,
@@ -83,6 +68,68 @@ def pair_logps(model, batch, objective: str, *, prefix: str = "", chunk_size: in
     return (*result, hidden, attention_mask) if return_hidden else result
 
 
+def _pairs(x: jax.Array, packed: bool) -> tuple[jax.Array, jax.Array]:
+    """Per-segment values ``[R, S]`` as (chosen ``[n]``, rejected ``[n]``): unpacked rows hold one sequence each
+    (chosen rows first), pair-packed rows hold pair k as segments 2k+1, 2k+2."""
+    if packed:
+        return x[:, 0::2].reshape(-1), x[:, 1::2].reshape(-1)
+    half = x.shape[0] // 2
+    return x[:half, 0], x[half:, 0]
+
+
+def _unpairs(chosen: jax.Array, rejected: jax.Array, like: jax.Array, packed: bool) -> jax.Array:
+    """The inverse of ``_pairs``: per-pair values back in the ``[R, S]`` layout of ``like``."""
+    if packed:
+        return jnp.stack([chosen.reshape(like.shape[0], -1), rejected.reshape(like.shape[0], -1)], -1).reshape(
+            like.shape)
+    return jnp.concatenate([chosen, rejected])[:, None]
+
+
+def pair_sums(model, batch, objective: str, *, chunk_size: int = 0, scope: str = "policy", ld_alpha: float = 1.0,
+              wpo: bool = False) -> dict[str, jax.Array]:
+    """Per-pair ``[n]`` sums of the chosen and rejected token log-probs, for packed and unpacked batches:
+    ``chosen``, ``rejected`` (LD-DPO-weighted when ``ld_alpha != 1``), ``chosen_len``, ``rejected_len`` (trained
+    tokens), ``chosen_raw``/``rejected_raw`` (unweighted sums), and with ``wpo`` the WPO sequence weight
+    ``chosen_wpo``/``rejected_wpo`` = ``exp(mean_t (log p_t − log Σ_v p_v²))``, gradient-free.
+
+    LD-DPO (Liu et al., 2024, arXiv 2409.06411), as TRL 1.16: the first ``min(len_c, len_r)`` completion tokens of
+    both sequences count fully, the tokens past it ``ld_alpha`` times."""
+    packed = is_packed(batch)
+    if packed:
+        tokens, attention_mask, loss_mask, segments = require(batch, "tokens", "attention_mask", "loss_mask",
+                                                              "segment_ids", objective=f"packed {objective}")
+        n_segments = 2 * batch["pair_mask"].shape[1]
+    else:
+        tokens, attention_mask, loss_mask = concat_pair(batch, "", objective)
+        segments, n_segments = None, 1
+    with jax.named_scope(scope):
+        logps, hidden = policy_token_logps(model, tokens, attention_mask, loss_mask, segment_ids=segments,
+                                           chunk_size=chunk_size, return_hidden=True)
+    trained = jnp.asarray(loss_mask, bool).at[:, 0].set(False)
+    if packed:  # [R, L, S]: the segment each trained token belongs to (segment 0 = padding, never trained)
+        member = ((segments[..., None] == jnp.arange(1, n_segments + 1)) & trained[..., None]).astype(jnp.float32)
+    else:
+        member = trained[..., None].astype(jnp.float32)
+    counts = member.sum(axis=1)
+    raw = jnp.einsum("rl,rls->rs", logps, member)
+    chosen_len, rejected_len = _pairs(counts, packed)
+    out = {"chosen_len": chosen_len, "rejected_len": rejected_len}
+    out["chosen_raw"], out["rejected_raw"] = _pairs(raw, packed)
+    if ld_alpha != 1.0:
+        shared = jnp.minimum(chosen_len, rejected_len)
+        position = jnp.cumsum(member, axis=1)  # 1, 2, ... over each sequence's trained tokens
+        weight = jnp.where(position <= _unpairs(shared, shared, counts, packed)[:, None, :], 1.0, ld_alpha)
+        out["chosen"], out["rejected"] = _pairs(jnp.einsum("rl,rls->rs", logps, member * weight), packed)
+    else:
+        out["chosen"], out["rejected"] = out["chosen_raw"], out["rejected_raw"]
+    if wpo:
+        chunk = resolve_chunk_size(chunk_size, tokens.shape[0], tokens.shape[1], model.config.vocab_size)
+        normaliser = log_sum_sq_probs(hidden, model.head_kernel(), chunk_size=chunk)
+        aligned = jnp.einsum("rl,rls->rs", jax.lax.stop_gradient(logps) - normaliser, member)
+        out["chosen_wpo"], out["rejected_wpo"] = _pairs(jnp.exp(aligned / jnp.maximum(counts, 1.0)), packed)
+    return out
+
+
 def reduce_pair_losses(per_pair, per_example, batch, chosen_len, rejected_len):
     """(batch-mean loss, metrics) from per-pair losses and metrics, weighted by ``example_weight``."""
     weight = pair_weights(batch, per_pair.shape[0])
@@ -93,49 +140,107 @@ def reduce_pair_losses(per_pair, per_example, batch, chosen_len, rejected_len):
     return total / count, metrics
 
 
+def _names(value, what: str) -> tuple:
+    """A config value given as ``"a,b"``, a list, or one item, as a tuple (``what`` names it in errors)."""
+    if isinstance(value, str):
+        return tuple(v.strip() for v in value.split(",") if v.strip())
+    if isinstance(value, list | tuple):
+        return tuple(value)
+    raise ValueError(f"{what}={value!r}: expected a comma-separated string or a list")
+
+
 @dataclasses.dataclass(frozen=True)
 class DPOParams(EngineParams):
-    """``beta``, ``label_smoothing``, ``loss_type`` (sigmoid | ipo | hinge); ``reference_free`` uses zero
-    reference log-probs; ``ipo_average`` length-normalises the log-probs for IPO (as TRL does)."""
+    """TRL 1.16's ``DPOConfig`` loss settings under its names.
+
+    ``loss_type``: one of ``losses.DPO_LOSS_TYPES`` or several (``"sigmoid,sft"`` or a list), combined with
+    ``loss_weights`` (default all 1); ``rpo_alpha > 0`` adds ``sft`` with that weight (RPO, Pang et al., 2024; TRL's
+    former ``rpo_alpha``); ``label_smoothing`` (cDPO / robust / EXO's ε); ``reference_free`` uses zero reference
+    log-probs; ``ipo_average`` length-normalises IPO's scores (as TRL does); ``ld_alpha < 1``: LD-DPO's weight
+    on the tokens past the shared length; ``use_weighting``: WPO's sequence weights; ``discopop_tau``;
+    ``f_divergence_type`` (reverse_kl | forward_kl | js_divergence | alpha_divergence) with
+    ``f_alpha_divergence_coef``."""
 
     beta: float = 0.1
     label_smoothing: float = 0.0
-    loss_type: str = "sigmoid"
+    loss_type: str | tuple[str, ...] = "sigmoid"
+    loss_weights: str | tuple[float, ...] = ""
+    rpo_alpha: float = 0.0
     reference_free: bool = False
     ipo_average: bool = True
+    ld_alpha: float = 1.0
+    use_weighting: bool = False
+    discopop_tau: float = 0.05
+    f_divergence_type: str = "reverse_kl"
+    f_alpha_divergence_coef: float = 0.5
 
     def __post_init__(self):
-        if self.loss_type not in losses.DPO_LOSS_TYPES:
-            raise ValueError(f"loss_type={self.loss_type!r}; expected one of {losses.DPO_LOSS_TYPES}")
+        names = losses.loss_types(_names(self.loss_type, "loss_type"))
+        weights = tuple(float(w) for w in _names(self.loss_weights, "loss_weights"))
+        if weights and len(weights) != len(names):
+            raise ValueError(f"loss_weights={self.loss_weights!r} needs one weight per loss type {names}")
+        object.__setattr__(self, "loss_type", names[0] if len(names) == 1 else names)
+        object.__setattr__(self, "loss_weights", weights)
         if not 0 <= self.label_smoothing < 0.5:
             raise ValueError(f"label_smoothing={self.label_smoothing} must be in [0, 0.5)")
+        if "exo_pair" in names and self.label_smoothing == 0:
+            raise ValueError("loss_type exo_pair needs label_smoothing > 0 (the EXO paper recommends 1e-3)")
         if self.beta <= 0:
             raise ValueError(f"beta={self.beta} must be > 0")
+        if self.rpo_alpha < 0:
+            raise ValueError(f"rpo_alpha={self.rpo_alpha} must be >= 0")
+        if not 0 <= self.ld_alpha <= 1:
+            raise ValueError(f"ld_alpha={self.ld_alpha} must be in [0, 1] (1 = no length desensitisation)")
+        if self.discopop_tau <= 0:
+            raise ValueError(f"discopop_tau={self.discopop_tau} must be > 0")
+        if self.f_divergence_type not in losses.F_DIVERGENCES:
+            raise ValueError(f"f_divergence_type={self.f_divergence_type!r}; expected one of {losses.F_DIVERGENCES}")
+        types, _ = self.combination
+        if self.f_divergence_type != "reverse_kl" and not set(types) <= set(losses.F_DIVERGENCE_LOSS_TYPES):
+            raise ValueError(f"f_divergence_type={self.f_divergence_type!r} works with loss types "
+                             f"{losses.F_DIVERGENCE_LOSS_TYPES} only, not {types}")
+        if self.use_weighting and set(types) & set(losses.SORTING_LOSS_TYPES):
+            raise ValueError("use_weighting (WPO) cannot be combined with aot / aot_unpaired: they sort the pairs")
+
+    @property
+    def combination(self) -> tuple[tuple[str, ...], tuple[float, ...]]:
+        """(loss types, their weights), ``rpo_alpha``'s ``sft`` term included."""
+        names = _names(self.loss_type, "loss_type")
+        weights = tuple(self.loss_weights) or (1.0,) * len(names)
+        if self.rpo_alpha > 0:
+            names, weights = (*names, "sft"), (*weights, self.rpo_alpha)
+        return names, weights
 
 
 def dpo(model, batch, hparams: DPOParams = DPOParams(), *, reference=None, **_):
-    """Batch fields: ``chosen_{tokens,attention_mask,loss_mask}``, ``rejected_{...}`` ``[B, T]``; optional
-    ``ref_chosen_logps`` / ``ref_rejected_logps`` ``[B]`` (summed), ``example_weight``."""
-    chosen, rejected, chosen_len, rejected_len = pair_logps(model, batch, "dpo", chunk_size=hparams.logps_chunk_size)
+    """Batch fields: ``chosen_{tokens,attention_mask,loss_mask}``, ``rejected_{...}`` ``[B, T]`` (or pair-packed
+    rows); optional ``ref_chosen_logps`` / ``ref_rejected_logps`` ``[B]`` (summed, LD-weighted like the policy's),
+    ``example_weight``."""
+    options = dict(chunk_size=hparams.logps_chunk_size, ld_alpha=hparams.ld_alpha)
+    policy = pair_sums(model, batch, "dpo", wpo=hparams.use_weighting, **options)
+    chosen, rejected, chosen_len, rejected_len = (policy[k] for k in ("chosen", "rejected", "chosen_len",
+                                                                      "rejected_len"))
     if "ref_chosen_logps" in batch and "ref_rejected_logps" in batch:
         ref_chosen = reference_values(batch, "ref_chosen_logps")
         ref_rejected = reference_values(batch, "ref_rejected_logps")
     elif reference is not None:
-        ref_chosen, ref_rejected, _, _ = pair_logps(reference, batch, "dpo", chunk_size=hparams.logps_chunk_size,
-                                                    scope="reference")
+        ref = pair_sums(reference, batch, "dpo", scope="reference", **options)
+        ref_chosen, ref_rejected = ref["chosen"], ref["rejected"]
     elif hparams.reference_free:
         ref_chosen = ref_rejected = jnp.zeros_like(chosen)
     else:
         raise ValueError("dpo needs a reference: pass reference=model, put ref_chosen_logps/ref_rejected_logps "
                          "in the batch, or set reference_free=True")
     ref_chosen, ref_rejected = jax.lax.stop_gradient(ref_chosen), jax.lax.stop_gradient(ref_rejected)
-    options = dict(beta=hparams.beta, label_smoothing=hparams.label_smoothing, loss_type=hparams.loss_type)
-    per_pair, per_example = losses.dpo(chosen, rejected, ref_chosen, ref_rejected, **options)
-    if hparams.loss_type == "ipo" and hparams.ipo_average:
-        # the loss on per-token log-ratios; rewards stay on summed log-probs (as TRL logs them)
-        scale_c, scale_r = 1 / jnp.maximum(chosen_len, 1.0), 1 / jnp.maximum(rejected_len, 1.0)
-        per_pair, _ = losses.dpo(chosen * scale_c, rejected * scale_r, ref_chosen * scale_c, ref_rejected * scale_r,
-                                 **options)
+    names, weights = hparams.combination
+    average = "ipo" not in names or hparams.ipo_average
+    per_pair, per_example = losses.dpo(
+        chosen, rejected, ref_chosen, ref_rejected, beta=hparams.beta, label_smoothing=hparams.label_smoothing,
+        loss_type=names, loss_weights=weights, chosen_len=chosen_len if average else None,
+        rejected_len=rejected_len if average else None, valid=pair_weights(batch, chosen.shape[0]) > 0,
+        sequence_weights=policy["chosen_wpo"] * policy["rejected_wpo"] if hparams.use_weighting else None,
+        sft_chosen_logps=policy["chosen_raw"], discopop_tau=hparams.discopop_tau,
+        f_divergence_type=hparams.f_divergence_type, f_alpha_divergence_coef=hparams.f_alpha_divergence_coef)
     return reduce_pair_losses(per_pair, per_example, batch, chosen_len, rejected_len)
 
 

@@ -69,14 +69,14 @@ def reference_fn(graphdef, kind: str, hparams):
     log-prob path as training (``hparams.logps_chunk_size``; the fused head never holds the ``[rows, T, V]``
     logits), so computing them needs no more memory than the forward half of a training step."""
     from jaxalign.objectives.mpo import dominant_pass
-    from jaxalign.objectives.preference import pair_logps
+    from jaxalign.objectives.preference import pair_sums
 
     def fn(params, batch):
         reference = nnx.merge(graphdef, params)
         if kind == "preference":
-            chosen, rejected, _, _ = pair_logps(reference, batch, "dpo", chunk_size=hparams.logps_chunk_size,
-                                                scope="reference")
-            return {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
+            sums = pair_sums(reference, batch, "dpo", chunk_size=hparams.logps_chunk_size, scope="reference",
+                             ld_alpha=getattr(hparams, "ld_alpha", 1.0))
+            return {"ref_chosen_logps": sums["chosen"], "ref_rejected_logps": sums["rejected"]}
         gap, hidden = dominant_pass(reference, batch, hparams, "reference")
         return {"ref_dominant_gap": gap, "ref_dominant_hidden": hidden}
 
@@ -121,6 +121,8 @@ def attach(sources: list[list[dict]], graphdef, params, tokenizer, kind: str, hp
     if kind not in ("preference", "mpo"):
         raise ValueError(f"precomputed references exist for preference and MPO data, not {kind!r}")
     extra = {"kind": kind, "pooling": getattr(hparams, "pooling", None), "sizes": [len(s) for s in sources]}
+    if getattr(hparams, "ld_alpha", 1.0) != 1.0:  # LD-DPO weights the reference's sums too
+        extra["ld_alpha"] = hparams.ld_alpha
     key = content_key(params, tokenizer, key_parts, extra)
     path = Path(cache_dir) / f"{key}.npz"
     examples = [example for source in sources for example in source]
