@@ -116,3 +116,58 @@ def test_mpo_on_right_padded_batches_equals_the_official_code(beta, tmp_path):
     assert not policy_torch.model.embed_tokens.weight.grad[pad].any()
     grads["model.embed_tokens.weight"][pad] = 0.0
     assert_grads_match(policy_torch, grads, rtol=1e-4)
+
+
+# -------------------------------------------------------------------------------------------------- ORPO
+def trl_log1mexp(x):
+    t = -0.6931471805599453
+    return torch.where(x < t, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def trl_orpo_loss(model, batch, beta):
+    """TRL 1.16 ``ORPOTrainer.concatenated_forward`` + ``odds_ratio_loss`` + ``get_batch_loss_metrics`` (decoder
+    only): the NLL is ``nn.CrossEntropyLoss`` over the chosen rows with labels = every non-padding token (prompt and
+    response); the odds use response-only average log-probs; ``loss = nll − mean(β·log σ(log odds))``."""
+    ids = torch.cat([torch.tensor(batch["chosen_tokens"]), torch.tensor(batch["rejected_tokens"])]).long()
+    attention = torch.cat([torch.tensor(batch["chosen_attention_mask"]),
+                           torch.tensor(batch["rejected_attention_mask"])]).long()
+    trained = torch.cat([torch.tensor(batch["chosen_loss_mask"]), torch.tensor(batch["rejected_loss_mask"])])
+    len_chosen = batch["chosen_tokens"].shape[0]
+    all_logits = model(input_ids=ids, attention_mask=attention).logits
+
+    def cross_entropy_loss(logits, labels):
+        logits = logits[..., :-1, :].contiguous()
+        labels = labels[..., 1:].contiguous()
+        return torch.nn.CrossEntropyLoss()(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+    labels = torch.where(attention == 1, ids, -100)
+    chosen_nll_loss = cross_entropy_loss(all_logits[:len_chosen], labels[:len_chosen])
+    response_labels = torch.where(trained.bool(), ids, -100)[:, 1:].clone()
+    logits = all_logits[:, :-1, :]
+    loss_mask = response_labels != -100
+    response_labels = torch.where(response_labels == -100, 0, response_labels)
+    per_token_logps = torch.gather(logits.log_softmax(-1), 2, response_labels.unsqueeze(2)).squeeze(2)
+    all_logps = (per_token_logps * loss_mask).sum(-1) / loss_mask.sum(-1)
+    chosen_logps, rejected_logps = all_logps[:len_chosen].float(), all_logps[len_chosen:].float()
+    log_odds = (chosen_logps - rejected_logps) - (trl_log1mexp(chosen_logps) - trl_log1mexp(rejected_logps))
+    losses = beta * F.logsigmoid(log_odds)
+    return chosen_nll_loss - losses.mean()
+
+
+@pytest.mark.parametrize("chunk", [0, 32])
+def test_orpo_with_trl_nll_equals_trl(chunk, tmp_path):
+    from torch_reference import assert_grads_match, jax_grads_by_hf_name, make_reference
+
+    from jaxalign.objectives import ORPOParams
+
+    policy_torch = make_reference("llama", tmp_path / "policy", seed=5)
+    batch = right_padded_pairs(2, b=4)
+    expected = trl_orpo_loss(policy_torch, batch, beta=0.25)
+    expected.backward()
+    model = load_hf(tmp_path / "policy")
+    loss, grads = jax_loss_and_grads(model, "orpo", batch, ORPOParams(lam=0.25, nll="trl", logps_chunk_size=chunk))
+    assert loss == pytest.approx(expected.item(), rel=1e-5)
+    assert_grads_match(policy_torch, jax_grads_by_hf_name(grads), rtol=1e-4)
+    # the default NLL is the chosen response's mean, per pair: a different number on the same batch
+    response_only, _ = jax_loss_and_grads(model, "orpo", batch, ORPOParams(lam=0.25))
+    assert abs(response_only - loss) > 1e-3

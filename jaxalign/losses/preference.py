@@ -207,12 +207,14 @@ def log1mexp(x: jax.Array) -> jax.Array:
 
 
 def orpo(chosen_logps: jax.Array, rejected_logps: jax.Array, chosen_len: jax.Array, rejected_len: jax.Array,
-         *, lam: float = 0.1, max_avg_logp: float = -1e-6) -> tuple[jax.Array, dict[str, jax.Array]]:
+         *, lam: float = 0.1, max_avg_logp: float = -1e-6, nll: jax.Array | None = None,
+         ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """ORPO (Hong et al., 2024, arXiv 2403.07691): SFT plus an odds-ratio preference term.
 
     With length-normalised ``a = logps / len`` clamped to ``a ≤ max_avg_logp`` (so the odds stay finite as
     ``p → 1``) and ``log odds(y) = a − log(1 − e^a)``:
-    ``L = −a_c − λ·log σ(log odds(y_c) − log odds(y_r))``. Rewards are ``λ·a`` (TRL's convention).
+    ``L = NLL − λ·log σ(log odds(y_c) − log odds(y_r))``, ``NLL = −a_c`` unless ``nll`` ``[B]`` is given (TRL's
+    prompt-and-response token mean). Rewards are ``λ·a`` (TRL's convention).
     """
     chosen_logps, rejected_logps, chosen_len, rejected_len = _f32(chosen_logps, rejected_logps, chosen_len,
                                                                   rejected_len)
@@ -220,7 +222,7 @@ def orpo(chosen_logps: jax.Array, rejected_logps: jax.Array, chosen_len: jax.Arr
     rejected_avg = jnp.minimum(rejected_logps / jnp.maximum(rejected_len, 1.0), max_avg_logp)
     log_odds = (chosen_avg - log1mexp(chosen_avg)) - (rejected_avg - log1mexp(rejected_avg))
     ratio = jax.nn.log_sigmoid(log_odds)
-    nll = -chosen_avg
+    nll = -chosen_avg if nll is None else jnp.asarray(nll, jnp.float32)
     loss = nll - lam * ratio
     metrics = _reward_metrics(jax.lax.stop_gradient(lam * chosen_avg), jax.lax.stop_gradient(lam * rejected_avg),
                               jax.lax.stop_gradient(chosen_avg), jax.lax.stop_gradient(rejected_avg))

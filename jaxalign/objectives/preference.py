@@ -86,14 +86,17 @@ def _unpairs(chosen: jax.Array, rejected: jax.Array, like: jax.Array, packed: bo
 
 
 def pair_sums(model, batch, objective: str, *, chunk_size: int = 0, scope: str = "policy", ld_alpha: float = 1.0,
-              wpo: bool = False) -> dict[str, jax.Array]:
+              wpo: bool = False, whole_sequence: bool = False) -> dict[str, jax.Array]:
     """Per-pair ``[n]`` sums of the chosen and rejected token log-probs, for packed and unpacked batches:
     ``chosen``, ``rejected`` (LD-DPO-weighted when ``ld_alpha != 1``), ``chosen_len``, ``rejected_len`` (trained
     tokens), ``chosen_raw``/``rejected_raw`` (unweighted sums), and with ``wpo`` the WPO sequence weight
     ``chosen_wpo``/``rejected_wpo`` = ``exp(mean_t (log p_t − log Σ_v p_v²))``, gradient-free.
 
     LD-DPO (Liu et al., 2024, arXiv 2409.06411), as TRL 1.16: the first ``min(len_c, len_r)`` completion tokens of
-    both sequences count fully, the tokens past it ``ld_alpha`` times."""
+    both sequences count fully, the tokens past it ``ld_alpha`` times.
+
+    ``whole_sequence`` adds ``chosen_whole``/``chosen_whole_len``: the summed log-probs and count of every real token
+    of the chosen sequence that something predicts (prompt and response, not the first token), TRL's ORPO NLL."""
     packed = is_packed(batch)
     if packed:
         tokens, attention_mask, loss_mask, segments = require(batch, "tokens", "attention_mask", "loss_mask",
@@ -102,14 +105,22 @@ def pair_sums(model, batch, objective: str, *, chunk_size: int = 0, scope: str =
     else:
         tokens, attention_mask, loss_mask = concat_pair(batch, "", objective)
         segments, n_segments = None, 1
-    with jax.named_scope(scope):
-        logps, hidden = policy_token_logps(model, tokens, attention_mask, loss_mask, segment_ids=segments,
-                                           chunk_size=chunk_size, return_hidden=True)
     trained = jnp.asarray(loss_mask, bool).at[:, 0].set(False)
-    if packed:  # [R, L, S]: the segment each trained token belongs to (segment 0 = padding, never trained)
-        member = ((segments[..., None] == jnp.arange(1, n_segments + 1)) & trained[..., None]).astype(jnp.float32)
-    else:
-        member = trained[..., None].astype(jnp.float32)
+    if whole_sequence:  # every real token but each sequence's first (nothing in its own sequence predicts it)
+        real = jnp.asarray(attention_mask, bool)
+        first = jnp.concatenate([jnp.ones_like(real[:, :1]), (segments[:, 1:] != segments[:, :-1]) if packed
+                                 else jnp.zeros_like(real[:, 1:])], axis=1)
+        predicted = real & ~first
+    with jax.named_scope(scope):
+        logps, hidden = policy_token_logps(model, tokens, attention_mask, predicted if whole_sequence else loss_mask,
+                                           segment_ids=segments, chunk_size=chunk_size, return_hidden=True)
+
+    def membership(mask):  # [R, L, S]: the sequence each marked token belongs to (segment 0 = padding)
+        if packed:
+            return ((segments[..., None] == jnp.arange(1, n_segments + 1)) & mask[..., None]).astype(jnp.float32)
+        return mask[..., None].astype(jnp.float32)
+
+    member = membership(trained)
     counts = member.sum(axis=1)
     raw = jnp.einsum("rl,rls->rs", logps, member)
     chosen_len, rejected_len = _pairs(counts, packed)
@@ -127,6 +138,10 @@ def pair_sums(model, batch, objective: str, *, chunk_size: int = 0, scope: str =
         normaliser = log_sum_sq_probs(hidden, model.head_kernel(), chunk_size=chunk)
         aligned = jnp.einsum("rl,rls->rs", jax.lax.stop_gradient(logps) - normaliser, member)
         out["chosen_wpo"], out["rejected_wpo"] = _pairs(jnp.exp(aligned / jnp.maximum(counts, 1.0)), packed)
+    if whole_sequence:
+        whole = membership(predicted)
+        out["chosen_whole"], _ = _pairs(jnp.einsum("rl,rls->rs", logps, whole), packed)
+        out["chosen_whole_len"], _ = _pairs(whole.sum(axis=1), packed)
     return out
 
 
@@ -266,16 +281,34 @@ def simpo(model, batch, hparams: SimPOParams = SimPOParams(), **_):
     return reduce_pair_losses(per_pair, per_example, batch, chosen_len, rejected_len)
 
 
+ORPO_NLL = ("response", "trl")
+
+
 @dataclasses.dataclass(frozen=True)
 class ORPOParams(EngineParams):
-    """``lam``: weight of the odds-ratio term (TRL's ``beta``; 0.1 in TRL, 0.25 in the IFT experiments)."""
+    """``lam``: weight of the odds-ratio term (TRL's ``beta``; 0.1 in TRL, 0.25 in the IFT experiments).
+    ``nll``: the SFT term, ``response`` = each pair's mean NLL of its chosen response (the ORPO paper's, the IFT
+    and MPO code's), ``trl`` = TRL's: one token mean over the prompt and response tokens of the batch's chosen
+    sequences."""
 
     lam: float = 0.1
+    nll: str = "response"
+
+    def __post_init__(self):
+        if self.nll not in ORPO_NLL:
+            raise ValueError(f"nll={self.nll!r}; expected one of {ORPO_NLL}")
 
 
 def orpo(model, batch, hparams: ORPOParams = ORPOParams(), **_):
     """Reference-free; batch fields as for ``dpo``."""
-    chosen, rejected, chosen_len, rejected_len = pair_logps(model, batch, "orpo",
-                                                            chunk_size=hparams.logps_chunk_size)
-    per_pair, per_example = losses.orpo(chosen, rejected, chosen_len, rejected_len, lam=hparams.lam)
+    sums = pair_sums(model, batch, "orpo", chunk_size=hparams.logps_chunk_size, whole_sequence=hparams.nll == "trl")
+    chosen, rejected, chosen_len, rejected_len = (sums[k] for k in ("chosen", "rejected", "chosen_len",
+                                                                    "rejected_len"))
+    nll = None
+    if hparams.nll == "trl":  # a batch-level token mean, the same for every pair (per micro-batch, as TRL's)
+        valid = pair_weights(batch, chosen.shape[0]) > 0
+        tokens = jnp.where(valid, sums["chosen_whole_len"], 0.0).sum()
+        nll = jnp.broadcast_to(-jnp.where(valid, sums["chosen_whole"], 0.0).sum() / jnp.maximum(tokens, 1.0),
+                               chosen.shape)
+    per_pair, per_example = losses.orpo(chosen, rejected, chosen_len, rejected_len, lam=hparams.lam, nll=nll)
     return reduce_pair_losses(per_pair, per_example, batch, chosen_len, rejected_len)
