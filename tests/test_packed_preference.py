@@ -43,6 +43,7 @@ def loss_and_grads(name, batch, model, reference, **params):
 @pytest.mark.parametrize(("name", "params"), [("dpo", {}), ("dpo", {"loss_type": "ipo"}), ("simpo", {}),
                                               ("orpo", {}), ("dpo", {"logps_chunk_size": 8}),
                                               ("dpo", {"ld_alpha": 0.4, "use_weighting": True}),
+                                              ("orpo", {"nll": "trl"}),
                                               ("dpo", {"loss_type": "sigmoid_norm,sft,aot", "logps_chunk_size": 8})])
 def test_packed_equals_padded(name, params):
     examples = pairs(12)
