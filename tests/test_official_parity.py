@@ -171,3 +171,71 @@ def test_orpo_with_trl_nll_equals_trl(chunk, tmp_path):
     # the default NLL is the chosen response's mean, per pair: a different number on the same batch
     response_only, _ = jax_loss_and_grads(model, "orpo", batch, ORPOParams(lam=0.25))
     assert abs(response_only - loss) > 1e-3
+
+
+# --------------------------------------------------------------------------------------------------- CPO
+def trl_cpo_loss(model, batch, *, beta, loss_type, cpo_alpha, alpha, simpo_gamma=0.5, label_smoothing=0.0):
+    """TRL 1.16 ``CPOTrainer``: ``concatenated_forward`` (NLL = ``nn.CrossEntropyLoss`` over the chosen rows'
+    response labels; log-probs averaged for ipo / simpo), ``cpo_loss`` (AlphaPO's ``(1 − p^(−α))/α``), and
+    ``loss = losses.mean() + cpo_alpha · nll`` (``alphapo``: simpo with ``cpo_alpha = 0``, as ``CPOConfig`` maps it)."""
+    if loss_type == "alphapo":
+        loss_type, cpo_alpha = "simpo", 0.0
+    ids = torch.cat([torch.tensor(batch["chosen_tokens"]), torch.tensor(batch["rejected_tokens"])]).long()
+    attention = torch.cat([torch.tensor(batch["chosen_attention_mask"]),
+                           torch.tensor(batch["rejected_attention_mask"])]).long()
+    trained = torch.cat([torch.tensor(batch["chosen_loss_mask"]), torch.tensor(batch["rejected_loss_mask"])])
+    len_chosen = batch["chosen_tokens"].shape[0]
+    all_logits = model(input_ids=ids, attention_mask=attention).logits
+    labels = torch.where(trained.bool(), ids, -100)
+
+    def cross_entropy_loss(logits, labels):
+        logits = logits[..., :-1, :].contiguous()
+        labels = labels[..., 1:].contiguous()
+        return torch.nn.CrossEntropyLoss()(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+    nll_loss = cross_entropy_loss(all_logits[:len_chosen], labels[:len_chosen]) if cpo_alpha else 0.0
+    shifted = labels[:, 1:].clone()
+    loss_mask = shifted != -100
+    shifted[shifted == -100] = 0
+    per_token_logps = torch.gather(all_logits[:, :-1].log_softmax(-1), 2, shifted.unsqueeze(2)).squeeze(2)
+    all_logps = (per_token_logps * loss_mask).sum(-1)
+    if loss_type in ("ipo", "simpo"):
+        all_logps = all_logps / loss_mask.sum(-1)
+    policy_chosen_logps, policy_rejected_logps = all_logps[:len_chosen], all_logps[len_chosen:]
+    if alpha != 0.0:
+        chosen_probs, rejected_probs = torch.exp(policy_chosen_logps), torch.exp(policy_rejected_logps)
+        logits = (1 - chosen_probs.pow(-alpha)) / alpha - (1 - rejected_probs.pow(-alpha)) / alpha
+    else:
+        logits = policy_chosen_logps - policy_rejected_logps
+    if loss_type == "simpo":
+        logits = logits - simpo_gamma / beta
+        losses = (-F.logsigmoid(beta * logits) * (1 - label_smoothing)
+                  - F.logsigmoid(-beta * logits) * label_smoothing)
+    elif loss_type == "sigmoid":
+        losses = (-F.logsigmoid(beta * logits) * (1 - label_smoothing)
+                  - F.logsigmoid(-beta * logits) * label_smoothing)
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * logits)
+    else:
+        losses = (logits - 1 / (2 * beta)) ** 2
+    return losses.mean() + cpo_alpha * nll_loss
+
+
+@pytest.mark.parametrize(("loss_type", "alpha", "smoothing"), [
+    ("sigmoid", 0.0, 0.0), ("sigmoid", 0.0, 0.1), ("hinge", 0.0, 0.0), ("ipo", 0.0, 0.0), ("simpo", 0.0, 0.0),
+    ("alphapo", 0.25, 0.0), ("sigmoid", -0.1, 0.0)])
+def test_cpo_and_alphapo_equal_trl(loss_type, alpha, smoothing, tmp_path):
+    from torch_reference import assert_grads_match, jax_grads_by_hf_name, make_reference
+
+    from jaxalign.objectives import CPOParams
+
+    policy_torch = make_reference("llama", tmp_path / "policy", seed=7)
+    batch = right_padded_pairs(3, b=4)
+    beta = 2.0 if loss_type in ("simpo", "alphapo") else 0.1
+    expected = trl_cpo_loss(policy_torch, batch, beta=beta, loss_type=loss_type, cpo_alpha=1.0, alpha=alpha,
+                            label_smoothing=smoothing)
+    expected.backward()
+    params = CPOParams(beta=beta, loss_type=loss_type, alpha=alpha, label_smoothing=smoothing)
+    loss, grads = jax_loss_and_grads(load_hf(tmp_path / "policy"), "cpo", batch, params)
+    assert loss == pytest.approx(expected.item(), rel=1e-5)
+    assert_grads_match(policy_torch, jax_grads_by_hf_name(grads), rtol=1e-4)

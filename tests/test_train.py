@@ -28,7 +28,7 @@ def small_config(name, workdir, *extra):
 
 # ----------------------------------------------------------------------------------------------- configs
 def test_bundled_configs_load_and_validate():
-    for name in ("default", "sft", "ift", "dpo", "simpo", "orpo", "mpo", "grpo"):
+    for name in ("default", "sft", "ift", "dpo", "simpo", "orpo", "cpo", "alphapo", "mpo", "grpo"):
         config = load_config(name)
         validate(config, num_devices=8)
     assert load_config("default").objective.name == "ift"
@@ -69,7 +69,7 @@ def test_validate_names_the_field(override, message):
 
 
 # ------------------------------------------------------------------------------------------ end to end
-@pytest.mark.parametrize("name", ["sft", "ift", "dpo", "simpo", "orpo", "mpo"])
+@pytest.mark.parametrize("name", ["sft", "ift", "dpo", "simpo", "orpo", "cpo", "mpo"])
 def test_each_objective_trains_checkpoints_and_exports(name, tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
@@ -82,7 +82,7 @@ def test_each_objective_trains_checkpoints_and_exports(name, tmp_path):
     losses = [r["loss"] for r in rows if r["split"] == "train"]
     assert len(losses) >= 4 and losses[-1] < losses[0], losses
     assert {"grad_norm", "lr", "tokens_per_s"} <= set(rows[-2] if rows[-1]["split"] == "eval" else rows[-1])
-    if name in ("dpo", "simpo", "orpo", "mpo"):
+    if name in ("dpo", "simpo", "orpo", "cpo", "mpo"):
         assert any("rewards/margins" in r for r in rows)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == ["12", "24"]
     assert summary["final_eval"] and "accuracy" in summary["final_eval"]

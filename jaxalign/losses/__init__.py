@@ -15,10 +15,13 @@ from jaxalign.losses.logps import (
 )
 from jaxalign.losses.mpo import mpo, reward_gap
 from jaxalign.losses.preference import (
+    CPO_LOSS_TYPES,
     DPO_LOSS_TYPES,
     F_DIVERGENCE_LOSS_TYPES,
     F_DIVERGENCES,
     SORTING_LOSS_TYPES,
+    alphapo_rewards,
+    cpo,
     dpo,
     f_divergence_scores,
     log1mexp,
@@ -29,11 +32,14 @@ from jaxalign.losses.preference import (
 from jaxalign.losses.sft import sft
 
 __all__ = [
+    "CPO_LOSS_TYPES",
     "DPO_LOSS_TYPES",
     "F_DIVERGENCES",
     "F_DIVERGENCE_LOSS_TYPES",
     "GRPO_LOSS_TYPES",
     "SORTING_LOSS_TYPES",
+    "alphapo_rewards",
+    "cpo",
     "dpo",
     "f_divergence_scores",
     "fused_head_logps",

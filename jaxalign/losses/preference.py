@@ -230,3 +230,46 @@ def orpo(chosen_logps: jax.Array, rejected_logps: jax.Array, chosen_len: jax.Arr
                     "log_odds_chosen": jax.lax.stop_gradient(log_odds), "len/chosen": chosen_len,
                     "len/rejected": rejected_len})
     return loss, metrics
+
+
+CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+
+
+def alphapo_rewards(logps: jax.Array, alpha: float) -> jax.Array:
+    """AlphaPO's reward shape (Gupta et al., 2025, arXiv 2501.03884): ``(1 − p^(−α)) / α`` with ``p = e^logps``,
+    computed as ``−expm1(−α·logps) / α``; α = 0 is the log-prob itself."""
+    logps = jnp.asarray(logps, jnp.float32)
+    return logps if alpha == 0 else -jnp.expm1(-alpha * logps) / alpha
+
+
+def cpo(chosen_logps: jax.Array, rejected_logps: jax.Array, chosen_len: jax.Array, rejected_len: jax.Array,
+        *, beta: float = 0.1, label_smoothing: float = 0.0, loss_type: str = "sigmoid", simpo_gamma: float = 0.5,
+        alpha: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """CPO's preference term (Xu et al., 2024, arXiv 2401.08417), reference-free, as TRL 1.16's ``CPOTrainer``.
+
+    Log-probs are summed, or length-averaged for ``ipo`` and ``simpo`` (TRL's ``average_log_prob``); rewards
+    ``r = alphapo_rewards(logps, α)``, ``z = r_c − r_r`` (minus ``simpo_gamma/β`` for ``simpo``):
+    ``sigmoid`` / ``simpo``: ``−(1−ε) log σ(βz) − ε log σ(−βz)``; ``hinge``: ``max(0, 1 − βz)``; ``ipo``:
+    ``(z − 1/(2β))²``. AlphaPO = ``simpo`` with α ≠ 0 and no NLL term. The NLL (behaviour-cloning) term is the
+    objective's. Rewards logged: ``β·r``."""
+    if loss_type not in CPO_LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}; expected one of {CPO_LOSS_TYPES}")
+    chosen_logps, rejected_logps, chosen_len, rejected_len = _f32(chosen_logps, rejected_logps, chosen_len,
+                                                                  rejected_len)
+    if loss_type in ("ipo", "simpo"):
+        chosen_logps = chosen_logps / jnp.maximum(chosen_len, 1.0)
+        rejected_logps = rejected_logps / jnp.maximum(rejected_len, 1.0)
+    chosen_rewards, rejected_rewards = alphapo_rewards(chosen_logps, alpha), alphapo_rewards(rejected_logps, alpha)
+    z = chosen_rewards - rejected_rewards
+    if loss_type == "simpo":
+        z = z - simpo_gamma / beta
+    if loss_type in ("sigmoid", "simpo"):
+        loss = -jax.nn.log_sigmoid(beta * z) * (1 - label_smoothing) - jax.nn.log_sigmoid(-beta * z) * label_smoothing
+    elif loss_type == "hinge":
+        loss = jax.nn.relu(1 - beta * z)
+    else:
+        loss = (z - 1 / (2 * beta)) ** 2
+    metrics = _reward_metrics(jax.lax.stop_gradient(beta * chosen_rewards),
+                              jax.lax.stop_gradient(beta * rejected_rewards), jax.lax.stop_gradient(chosen_logps),
+                              jax.lax.stop_gradient(rejected_logps))
+    return loss, metrics

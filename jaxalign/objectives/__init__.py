@@ -10,12 +10,13 @@ from jaxalign.objectives.common import Metric
 from jaxalign.objectives.grpo import GRPOParams
 from jaxalign.objectives.ift import IFTParams, ift_lambda, mixed_embeddings
 from jaxalign.objectives.mpo import MPOParams, pool_hidden
-from jaxalign.objectives.preference import DPOParams, ORPOParams, SimPOParams
+from jaxalign.objectives.preference import CPOParams, DPOParams, ORPOParams, SimPOParams
 from jaxalign.objectives.registry import OBJECTIVES, Objective, get_objective, make_params
 from jaxalign.objectives.sft import SFTParams
 
 __all__ = [
     "OBJECTIVES",
+    "CPOParams",
     "DPOParams",
     "GRPOParams",
     "IFTParams",

@@ -312,3 +312,52 @@ def orpo(model, batch, hparams: ORPOParams = ORPOParams(), **_):
                                chosen.shape)
     per_pair, per_example = losses.orpo(chosen, rejected, chosen_len, rejected_len, lam=hparams.lam, nll=nll)
     return reduce_pair_losses(per_pair, per_example, batch, chosen_len, rejected_len)
+
+
+CPO_LOSS_TYPES = (*losses.CPO_LOSS_TYPES, "alphapo")
+
+
+@dataclasses.dataclass(frozen=True)
+class CPOParams(EngineParams):
+    """TRL 1.16's ``CPOConfig``: ``beta=0.1``, ``label_smoothing``, ``loss_type`` (sigmoid | hinge | ipo | simpo |
+    alphapo = simpo without the NLL term, as TRL maps it), ``simpo_gamma=0.5``, ``cpo_alpha=1.0`` (weight of the
+    behaviour-cloning NLL: one token mean over the chosen responses of the batch), ``alpha=0`` (AlphaPO's reward
+    shape; any loss type)."""
+
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    loss_type: str = "sigmoid"
+    simpo_gamma: float = 0.5
+    cpo_alpha: float = 1.0
+    alpha: float = 0.0
+
+    def __post_init__(self):
+        if self.loss_type not in CPO_LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r}; expected one of {CPO_LOSS_TYPES}")
+        if self.beta <= 0:
+            raise ValueError(f"beta={self.beta} must be > 0")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing={self.label_smoothing} must be in [0, 0.5)")
+        if self.cpo_alpha < 0:
+            raise ValueError(f"cpo_alpha={self.cpo_alpha} must be >= 0")
+
+    @property
+    def resolved(self) -> tuple[str, float]:
+        """(the loss type CPO's loss computes, the NLL weight): ``alphapo`` is ``simpo`` with ``cpo_alpha = 0``."""
+        return ("simpo", 0.0) if self.loss_type == "alphapo" else (self.loss_type, self.cpo_alpha)
+
+
+def cpo(model, batch, hparams: CPOParams = CPOParams(), **_):
+    """Reference-free; batch fields as for ``dpo``. ``loss = mean(cpo terms) + cpo_alpha · NLL``."""
+    chosen, rejected, chosen_len, rejected_len = pair_logps(model, batch, "cpo", chunk_size=hparams.logps_chunk_size)
+    loss_type, nll_weight = hparams.resolved
+    per_pair, per_example = losses.cpo(chosen, rejected, chosen_len, rejected_len, beta=hparams.beta,
+                                       label_smoothing=hparams.label_smoothing, loss_type=loss_type,
+                                       simpo_gamma=hparams.simpo_gamma, alpha=hparams.alpha)
+    valid = pair_weights(batch, chosen.shape[0]) > 0
+    tokens = jnp.where(valid, chosen_len, 0.0).sum()
+    nll = -jnp.where(valid, chosen, 0.0).sum() / jnp.maximum(tokens, 1.0)  # a batch token mean (per micro-batch)
+    per_example["nll_loss"] = jnp.broadcast_to(jax.lax.stop_gradient(nll), chosen.shape)
+    if nll_weight:
+        per_pair = per_pair + nll_weight * nll
+    return reduce_pair_losses(per_pair, per_example, batch, chosen_len, rejected_len)

@@ -46,6 +46,7 @@ OBJECTIVES: dict[str, Objective] = {
                      console=PAIR_METRICS),
     "simpo": Objective(preference.simpo, preference.SimPOParams, "preference", 2, console=PAIR_METRICS),
     "orpo": Objective(preference.orpo, preference.ORPOParams, "preference", 2, console=PAIR_METRICS),
+    "cpo": Objective(preference.cpo, preference.CPOParams, "preference", 2, console=PAIR_METRICS),
     "mpo": Objective(mpo.mpo, mpo.MPOParams, "mpo", 4, uses_reference=True,
                      console=("loss", "mpo/gap_loss", "rewards/accuracies"), packing=False,
                      packing_note="its preservation term pools hidden states per sequence"),
