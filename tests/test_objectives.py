@@ -290,11 +290,11 @@ def test_pool_hidden():
 
 
 def test_registry_and_params_errors():
-    assert set(objectives.OBJECTIVES) == {"sft", "dpo", "simpo", "orpo", "cpo", "ift", "mpo", "grpo"}
+    assert set(objectives.OBJECTIVES) == {"sft", "dpo", "simpo", "orpo", "cpo", "kto", "ift", "mpo", "grpo"}
     assert make_params("dpo", {"beta": 0.2}).beta == 0.2
     with pytest.raises(ValueError, match=r"no hyper-parameters \['betta'\]"):
         make_params("dpo", {"betta": 0.2})
-    with pytest.raises(KeyError, match="unknown objective 'kto'"):
-        get_objective("kto")
+    with pytest.raises(KeyError, match="unknown objective 'bco'"):
+        get_objective("bco")
     with pytest.raises(ValueError, match="label_smoothing"):
         DPOParams(label_smoothing=0.5)

@@ -28,7 +28,7 @@ def small_config(name, workdir, *extra):
 
 # ----------------------------------------------------------------------------------------------- configs
 def test_bundled_configs_load_and_validate():
-    for name in ("default", "sft", "ift", "dpo", "simpo", "orpo", "cpo", "alphapo", "mpo", "grpo"):
+    for name in ("default", "sft", "ift", "dpo", "simpo", "orpo", "cpo", "alphapo", "kto", "mpo", "grpo"):
         config = load_config(name)
         validate(config, num_devices=8)
     assert load_config("default").objective.name == "ift"
@@ -69,7 +69,7 @@ def test_validate_names_the_field(override, message):
 
 
 # ------------------------------------------------------------------------------------------ end to end
-@pytest.mark.parametrize("name", ["sft", "ift", "dpo", "simpo", "orpo", "cpo", "mpo"])
+@pytest.mark.parametrize("name", ["sft", "ift", "dpo", "simpo", "orpo", "cpo", "kto", "mpo"])
 def test_each_objective_trains_checkpoints_and_exports(name, tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM

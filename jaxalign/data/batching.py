@@ -43,7 +43,7 @@ def _pad(arrays: Sequence[np.ndarray], length: int, value: int, dtype) -> np.nda
 
 def sequence_fields(kind: str) -> list[str]:
     """Names of the token sequences an example of ``kind`` holds (``tokens`` or ``{prefix}{side}_tokens``)."""
-    if kind in ("lm", "sft"):
+    if kind in ("lm", "sft", "unpaired"):
         return ["tokens"]
     return [f"{prefix}{side}_tokens" for prefix in PAIR_PREFIXES[kind] for side in ("chosen", "rejected")]
 
@@ -66,7 +66,30 @@ def pad_batch(examples: Sequence[dict], kind: str, length: int, pad_id: int) -> 
     for field in examples[0]:
         if field.startswith("ref_"):  # precomputed reference quantities ride along, one value per example
             batch[field] = np.stack([example[field] for example in examples])
+    if kind == "unpaired":
+        batch["label"] = np.asarray([example["label"] for example in examples], np.int32)
+        batch.update(kl_rows(examples, length, pad_id))
     return batch
+
+
+def kl_rows(examples: Sequence[dict], length: int, pad_id: int) -> dict[str, np.ndarray]:
+    """KTO's mismatched sequences: example ``i``'s prompt with example ``i−1``'s completion (the first takes the
+    last's), TRL's rotation by one within the batch; completions cut to ``length`` tokens in all (the batch's
+    padded length). ``kl_{tokens,attention_mask,loss_mask}`` ``[B, length]``."""
+    def split(example):
+        trained = np.flatnonzero(example["loss_mask"])
+        start = int(trained[0]) if trained.size else len(example["tokens"])
+        return example["tokens"][:start], example["tokens"][start:], example["loss_mask"][start:]
+
+    parts = [split(example) for example in examples]
+    tokens, masks = [], []
+    for i, (prompt, _, _) in enumerate(parts):
+        _, completion, completion_mask = parts[i - 1]
+        tokens.append(np.concatenate([prompt, completion])[:length])
+        masks.append(np.concatenate([np.zeros(len(prompt), np.int8), completion_mask])[:length])
+    return {"kl_tokens": _pad(tokens, length, pad_id, np.int32),
+            "kl_attention_mask": _pad([np.ones(len(t), np.int32) for t in tokens], length, 0, np.int32),
+            "kl_loss_mask": _pad(masks, length, 0, np.int32)}
 
 
 def pack_rows(examples: Sequence[dict], row_length: int, *, pairs: bool = False) -> list[list[int]]:

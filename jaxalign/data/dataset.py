@@ -7,6 +7,8 @@ import os
 from collections.abc import Collection, Sequence
 from typing import Any
 
+import numpy as np
+
 from jaxalign.data import sater
 from jaxalign.data.schema import RecordError, detect_kind, validate_record
 from jaxalign.data.sources import read_records
@@ -54,6 +56,13 @@ def _as_kind(record: dict[str, Any], kind: str, tok: Tokenizer) -> dict[str, Any
     if record["stage"] == 2 and kind == "sft":
         return sater.stage2_example(record)
     raise ValueError(f"SATER stage-{record['stage']} records cannot train a {kind} objective")
+
+
+def unpair(example: dict[str, Any]) -> list[dict[str, Any]]:
+    """A tokenised preference pair as two unpaired (KTO) examples: chosen with label 1, rejected with label 0
+    (TRL's ``unpair_preference_dataset``)."""
+    return [{"tokens": example[f"{side}_tokens"], "loss_mask": example[f"{side}_loss_mask"], "label": np.int8(label)}
+            for side, label in (("chosen", 1), ("rejected", 0))]
 
 
 def _requested_kind(raw: Any, kind: str) -> str | None:
@@ -111,12 +120,13 @@ def load_examples(path: str | os.PathLike, tok: Tokenizer, *, kind: str, on_inva
             if record is None:
                 report.degenerate += 1
                 continue
-            examples.append(tokenize_record(tok, record, source=source, index=index))
+            example = tokenize_record(tok, record, source=source, index=index)
+            examples.extend(unpair(example) if kind == "unpaired" and record["kind"] == "preference" else [example])
+            report.valid += 1
         except RecordError as err:
             report.errors.append(str(err))
         except ValueError as err:
             report.errors.append(str(RecordError(source, index, "<record>", str(err))))
-    report.valid = len(examples)
     listed = "\n  ".join(report.errors[:max_listed])
     if report.skipped > max_listed:
         listed += f"\n  ... and {report.skipped - max_listed} more"

@@ -7,6 +7,9 @@ Accepted formats (TRL's, plus the method-specific ones of the spec), by kind:
 * ``preference``: ``prompt`` + ``chosen`` + ``rejected`` (strings, or a message list and assistant message
   lists); without ``prompt`` the shared prefix of ``chosen`` and ``rejected`` becomes the prompt (in token space
   for strings, in message space for conversations).
+* ``unpaired`` (KTO): ``prompt`` + ``completion`` (strings, or a message list and assistant messages) + ``label``
+  (``true`` = desirable, ``false`` = undesirable), TRL's unpaired preference format; preference pairs are also
+  accepted (each becomes a desirable and an undesirable example, as TRL unpairs them).
 * ``mpo``: ``source_conversations``/``source_chosen``/``source_rejected`` and the same ``target_*`` fields
   (the official LLaMA-Factory layout with ShareGPT ``from``/``value`` turns); both sides are validated together.
 * ``sater``: stage I ``question``, ``gold_answer``, ``samples`` [{``text``, ``correct``}]; stage II
@@ -24,7 +27,7 @@ from typing import Any
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool"}
-KINDS = ("lm", "sft", "preference", "mpo", "sater")
+KINDS = ("lm", "sft", "preference", "unpaired", "mpo", "sater")
 
 
 class RecordError(ValueError):
@@ -43,6 +46,8 @@ def detect_kind(record: Mapping[str, Any]) -> str:
         return "sater"
     if "chosen" in record or "rejected" in record:
         return "preference"
+    if "label" in record and "completion" in record:
+        return "unpaired"
     if "messages" in record or "completion" in record:
         return "sft"
     if "text" in record:
@@ -141,7 +146,8 @@ def validate_record(record: Any, *, source: str, index: int, kind: str | None = 
     detected = detect_kind(record)
     if detected == "unknown":
         check.fail("<record>", f"unrecognised format with fields {sorted(record)}; expected one of: text | "
-                               "messages | prompt+completion | prompt+chosen+rejected | source_*/target_* (MPO) | "
+                               "messages | prompt+completion | prompt+chosen+rejected | prompt+completion+label | "
+                               "source_*/target_* (MPO) | "
                                "question+samples / question+tau (SATER)")
     kind = kind or detected
     if kind not in KINDS:
@@ -152,20 +158,25 @@ def validate_record(record: Any, *, source: str, index: int, kind: str | None = 
         pair = _pair(check, record)
         return {"kind": "sft", **({"prompt": pair["prompt"]} if "prompt" in pair else {}),
                 "completion": pair["chosen"]}
+    if kind == "sft" and detected == "unpaired" and check.require(record, "label") is not True:
+        check.fail("label", "false: an undesirable completion is not an SFT target (filter the file, or train "
+                            "with kto)")
+    if kind == "unpaired":
+        if detected == "preference":  # unpaired into a desirable and an undesirable example by the loader
+            return {"kind": "preference", **_pair(check, record)}
+        if detected != "unpaired":
+            check.fail("label", "missing (KTO needs prompt + completion + label, or prompt + chosen + rejected)")
+        label = check.require(record, "label")
+        if not isinstance(label, bool):
+            check.fail("label", f"expected true (desirable) or false (undesirable), got {label!r}")
+        return {**_prompt_completion(check, record, "unpaired"), "label": label}
     if kind == "sft":
         if "messages" in record:
             messages = check.messages(record["messages"], "messages")
             if not any(m["role"] == "assistant" for m in messages):
                 check.fail("messages", "has no assistant turn to train on")
             return {"kind": "sft", "messages": messages}
-        prompt, completion = check.require(record, "prompt"), check.require(record, "completion")
-        if isinstance(completion, str):
-            return {"kind": "sft", "prompt": check.text(prompt, "prompt", allow_empty=True),
-                    "completion": check.text(completion, "completion")}
-        if isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}]
-        return {"kind": "sft", "prompt": check.messages(prompt, "prompt"),
-                "completion": check.completion_turns(completion, "completion")}
+        return _prompt_completion(check, record, "sft")
     if kind == "preference":
         if detected != "preference":
             check.fail("chosen", "missing (a preference objective needs chosen and rejected)")
@@ -176,6 +187,18 @@ def validate_record(record: Any, *, source: str, index: int, kind: str | None = 
         return {"kind": "mpo", "dominant": _pair(check, record, "source_", sharegpt=True),
                 "target": _pair(check, record, "target_", sharegpt=True)}
     return _sater(check, record)
+
+
+def _prompt_completion(check: _Checker, record: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """``prompt`` + ``completion``: both strings, or a prompt (string or messages) and assistant messages."""
+    prompt, completion = check.require(record, "prompt"), check.require(record, "completion")
+    if isinstance(completion, str):
+        return {"kind": kind, "prompt": check.text(prompt, "prompt", allow_empty=True),
+                "completion": check.text(completion, "completion")}
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    return {"kind": kind, "prompt": check.messages(prompt, "prompt"),
+            "completion": check.completion_turns(completion, "completion")}
 
 
 def _sater(check: _Checker, record: Mapping[str, Any]) -> dict[str, Any]:

@@ -364,9 +364,9 @@ def tokenize_record(tok: Tokenizer, record: dict[str, Any], *, source: str = "<d
                     ) -> dict[str, np.ndarray]:
     """Token arrays of one validated record (``schema.validate_record``).
 
-    ``lm``/``sft`` -> ``tokens``, ``loss_mask``; ``preference`` -> ``{chosen,rejected}_{tokens,loss_mask}``;
-    ``mpo`` -> the same with ``target_`` and ``dominant_`` prefixes. Raises ``RecordError`` for records that
-    cannot be trained on after truncation.
+    ``lm``/``sft`` -> ``tokens``, ``loss_mask``; ``unpaired`` -> the same and ``label``; ``preference`` ->
+    ``{chosen,rejected}_{tokens,loss_mask}``; ``mpo`` -> the same with ``target_`` and ``dominant_`` prefixes.
+    Raises ``RecordError`` for records that cannot be trained on after truncation.
     """
     kind = record["kind"]
     try:
@@ -382,9 +382,11 @@ def tokenize_record(tok: Tokenizer, record: dict[str, Any], *, source: str = "<d
             if not any(mask[1:]):
                 raise _Fail("messages", f"no assistant token left within max_length={tok.config.max_length}")
             return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, np.int8)}
-        if kind == "sft":
+        if kind in ("sft", "unpaired"):
             tokens, mask = _join(tok, *_prompt_and_completion(tok, record.get("prompt"), record["completion"]),
                                  "completion")
+            if kind == "unpaired":
+                return {"tokens": tokens, "loss_mask": mask, "label": np.int8(record["label"])}
             return {"tokens": tokens, "loss_mask": mask}
         if kind == "preference":
             return _pair(tok, record, "", "")

@@ -5,6 +5,7 @@ Nothing here runs a model or touches I/O; ``jaxalign.objectives`` runs the forwa
 
 from jaxalign.losses.grpo import GRPO_LOSS_TYPES, group_advantages, grpo, grpo_terms, sampling_correction
 from jaxalign.losses.ift import ift, ift_weights, reverse_discounted_cumsum
+from jaxalign.losses.kto import KTO_LOSS_TYPES, kto, kto_kl
 from jaxalign.losses.logps import (
     fused_head_logps,
     greedy_from_hidden,
@@ -37,6 +38,7 @@ __all__ = [
     "F_DIVERGENCES",
     "F_DIVERGENCE_LOSS_TYPES",
     "GRPO_LOSS_TYPES",
+    "KTO_LOSS_TYPES",
     "SORTING_LOSS_TYPES",
     "alphapo_rewards",
     "cpo",
@@ -49,6 +51,8 @@ __all__ = [
     "grpo_terms",
     "ift",
     "ift_weights",
+    "kto",
+    "kto_kl",
     "log1mexp",
     "log_sum_sq_probs",
     "loss_types",

@@ -9,6 +9,7 @@ sum) and divides by the summed counts: the exact full-batch mean.
 from jaxalign.objectives.common import Metric
 from jaxalign.objectives.grpo import GRPOParams
 from jaxalign.objectives.ift import IFTParams, ift_lambda, mixed_embeddings
+from jaxalign.objectives.kto import KTOParams
 from jaxalign.objectives.mpo import MPOParams, pool_hidden
 from jaxalign.objectives.preference import CPOParams, DPOParams, ORPOParams, SimPOParams
 from jaxalign.objectives.registry import OBJECTIVES, Objective, get_objective, make_params
@@ -20,6 +21,7 @@ __all__ = [
     "DPOParams",
     "GRPOParams",
     "IFTParams",
+    "KTOParams",
     "MPOParams",
     "Metric",
     "ORPOParams",

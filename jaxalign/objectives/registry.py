@@ -12,19 +12,18 @@ import difflib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jaxalign.objectives import grpo, ift, mpo, preference, sft
+from jaxalign.objectives import grpo, ift, kto, mpo, preference, sft
 
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
     """``fn(model, batch, hparams, *, reference=None, step=0, rng=None) -> (loss, metrics)``.
 
-    ``data_kind``: the examples it trains on (``sft``, ``preference``, ``mpo``; ``prompt``: prompts it samples
-    completions for, online); ``rows_per_example``: sequences
-    per example in the forward pass (chosen + rejected; MPO: both languages); ``uses_reference``: needs a frozen
+    ``data_kind``: the examples it trains on (``sft``, ``preference``, ``unpaired`` (KTO), ``mpo``; ``prompt``:
+    prompts it samples completions for, online); ``rows_per_example``: sequences per example in the forward pass
+    (chosen + rejected; KTO: completion + mismatched; MPO: both languages); ``uses_reference``: needs a frozen
     reference (unless its params say ``reference_free``); ``console``: the headline metrics, shown on the log
-    line and drawn in ``curves.png``;
-    ``packing``: supports ``data.packing`` (``packing_note`` says why not)."""
+    line and drawn in ``curves.png``; ``packing``: supports ``data.packing`` (``packing_note`` says why not)."""
 
     fn: Callable
     params: type
@@ -47,6 +46,9 @@ OBJECTIVES: dict[str, Objective] = {
     "simpo": Objective(preference.simpo, preference.SimPOParams, "preference", 2, console=PAIR_METRICS),
     "orpo": Objective(preference.orpo, preference.ORPOParams, "preference", 2, console=PAIR_METRICS),
     "cpo": Objective(preference.cpo, preference.CPOParams, "preference", 2, console=PAIR_METRICS),
+    "kto": Objective(kto.kto, kto.KTOParams, "unpaired", 2, uses_reference=True,
+                     console=("loss", "kl", "rewards/chosen", "rewards/rejected"), packing=False,
+                     packing_note="its KL reference point pairs each prompt with another example's completion"),
     "mpo": Objective(mpo.mpo, mpo.MPOParams, "mpo", 4, uses_reference=True,
                      console=("loss", "mpo/gap_loss", "rewards/accuracies"), packing=False,
                      packing_note="its preservation term pools hidden states per sequence"),

@@ -197,6 +197,11 @@ class ObjectiveSpec:
             return cls(name, None), [f"objective.params: {err}"]
 
     def problems(self, run: RunSpec, num_devices: int) -> list[str]:
+        if self.name == "kto" and getattr(self.params, "uses_kl", False) and \
+                run.train.batch_size // max(run.train.grad_accum, 1) < 2:
+            return [f"objective kto needs at least 2 examples per micro-batch (train.batch_size="
+                    f"{run.train.batch_size}, train.grad_accum={run.train.grad_accum}): its KL reference point pairs "
+                    "each prompt with another example's completion"]
         return []
 
 
@@ -212,6 +217,10 @@ class ReferenceSpec:
         if run.objective.uses_reference and self.kind not in ("model", "precomputed"):
             problems.append(f"reference.kind={self.kind!r}: {run.objective.name} needs a reference; use 'model' or "
                             "'precomputed' (or objective.params.reference_free=True for DPO)")
+        if run.objective.name == "kto" and self.kind == "precomputed":
+            problems.append("reference.kind='precomputed' cannot serve KTO: its KL reference point pairs each prompt "
+                            "with another example's completion, which changes with the batch order; use "
+                            "reference.kind='model'")
         if run.objective.name == "grpo" and self.kind == "precomputed":
             problems.append("reference.kind='precomputed' cannot serve GRPO: its completions are sampled during "
                             "training; use reference.kind='model'")
