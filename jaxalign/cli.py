@@ -61,7 +61,7 @@ def _read_prompts(args) -> list[str | list[dict]]:
 def cmd_generate(args) -> int:
     import numpy as np
 
-    from jaxalign.data.tokenize import as_tokenizer
+    from jaxalign.data.tokenize import as_tokenizer, padding_id
     from jaxalign.sampling import left_pad, sample, truncate_at_stop
 
     path = _model_path(args.model)
@@ -74,7 +74,7 @@ def cmd_generate(args) -> int:
           f"{time.perf_counter() - start:.1f}s", file=sys.stderr)
     prompts = _read_prompts(args)
     encoded = [encoder.encode_prompt(p, chat=args.chat, system=args.system) for p in prompts]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = padding_id(tokenizer)
     tokens, mask = left_pad(encoded, pad_id)
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
     start = time.perf_counter()
@@ -380,8 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr = commands.add_parser("train", help="train a model (default: a tiny Llama on toy arithmetic with IFT)",
                              description="Train with a config file; any field can be overridden with "
                                          "--config.FIELD=VALUE (e.g. --config.optim.lr=1e-5). Bundled configs: "
-                                         "default, sft, ift, dpo, simpo, orpo, cpo, alphapo, kto, mpo, grpo; add "
-                                         ":PRESET for a model preset (tiny, smollm2, llama3_8b, qwen25_7b), e.g. "
+                                         "default, sft, ift, dpo, simpo, orpo, cpo, alphapo, kto, reward, mpo, grpo; "
+                                         "add :PRESET for a model preset (tiny, smollm2, llama3_8b, qwen25_7b), e.g. "
                                          "--config dpo:smollm2. "
                                          "Interrupting (SIGTERM / Ctrl-C) saves a checkpoint; rerunning resumes.")
     tr.add_argument("--config", default="default", help="config name or .py path, optionally :PRESET")

@@ -23,6 +23,7 @@ import numpy as np
 from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from jaxalign.data.tokenize import padding_id
 from jaxalign.sampling import generate, left_pad, truncate_at_stop
 
 BUCKET = 64  # sequences pad to a multiple of this, so a task compiles a handful of shapes
@@ -56,7 +57,7 @@ class JaxalignLM(LM):
         if eot is None:
             raise ValueError("the tokenizer has neither an end-of-text nor a beginning-of-text token")
         self.eot_token_id = eot
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.pad_id = padding_id(tokenizer)
 
     # -- the harness's hooks
     @property

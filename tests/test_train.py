@@ -28,7 +28,7 @@ def small_config(name, workdir, *extra):
 
 # ----------------------------------------------------------------------------------------------- configs
 def test_bundled_configs_load_and_validate():
-    for name in ("default", "sft", "ift", "dpo", "simpo", "orpo", "cpo", "alphapo", "kto", "mpo", "grpo"):
+    for name in ("default", "sft", "ift", "dpo", "simpo", "orpo", "cpo", "alphapo", "kto", "reward", "mpo", "grpo"):
         config = load_config(name)
         validate(config, num_devices=8)
     assert load_config("default").objective.name == "ift"
@@ -54,7 +54,7 @@ def test_overrides_are_typed_and_checked():
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("--config.objective.name=kto", "objective.name='kto' is unknown"),
+    ("--config.objective.name=bco", "objective.name='bco' is unknown"),
     ("--config.mesh.fsdp=3", "needs 3 devices but 8 are available"),
     ("--config.train.batch_size=6", "not divisible by the 8 data-parallel shards"),
     ("--config.objective.params.betta=1", "no hyper-parameters ['betta']"),

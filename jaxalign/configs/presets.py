@@ -57,7 +57,7 @@ def qwen25_7b(config):
 # without setting these fields: TRL 1.16's defaults (SFTConfig lr 2e-5; DPO / ORPO / CPO (SimPO) lr 1e-6;
 # max_length 1024; DPO max_prompt_length 512; per-device batch 8). IFT follows SFT, MPO the preference family.
 PRETRAINED_LR = {"sft": 2e-5, "ift": 2e-5, "dpo": 1e-6, "simpo": 1e-6, "orpo": 1e-6, "cpo": 1e-6, "kto": 1e-6,
-                 "mpo": 1e-6, "grpo": 1e-6}
+                 "mpo": 1e-6, "grpo": 1e-6, "reward": 1e-4}
 PRETRAINED_FIELDS = {"data.max_length": 1024, "train.batch_size": 8, "optim.warmup_steps": 10}
 # GRPO on a pretrained model: TRL's 8 completions per prompt and 256 new tokens, 4 prompts per step, no SFT start
 PRETRAINED_GRPO = {"objective.params.num_generations": 8, "objective.params.prompts_per_step": 4,
@@ -85,7 +85,7 @@ def for_pretrained(config, user_fields: set[str]) -> list[str]:
         return []
     name = config.objective.name
     changes = {"tokenizer": "", "optim.lr": PRETRAINED_LR.get(name, 1e-6), **PRETRAINED_FIELDS}
-    if name in ("dpo", "simpo", "orpo", "cpo", "mpo"):
+    if name in ("dpo", "simpo", "orpo", "cpo", "mpo", "reward"):
         changes["data.max_prompt_length"] = PREFERENCE_PROMPT_LENGTH
     if name == "grpo":
         changes.update(PRETRAINED_GRPO)

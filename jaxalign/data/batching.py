@@ -66,6 +66,8 @@ def pad_batch(examples: Sequence[dict], kind: str, length: int, pad_id: int) -> 
     for field in examples[0]:
         if field.startswith("ref_"):  # precomputed reference quantities ride along, one value per example
             batch[field] = np.stack([example[field] for example in examples])
+    if "margin" in examples[0]:  # reward-model margins (every example has one: DataPipeline checks)
+        batch["margin"] = np.asarray([example["margin"] for example in examples], np.float32)
     if kind == "unpaired":
         batch["label"] = np.asarray([example["label"] for example in examples], np.int32)
         batch.update(kl_rows(examples, length, pad_id))

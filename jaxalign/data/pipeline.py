@@ -59,6 +59,10 @@ class DataPipeline:
         self.kind, self.config = kind, config
         self.num_hosts, self.host_index = num_hosts, host_index
         self.examples = [example for source in sources for example in source]
+        with_margin = sum("margin" in example for example in self.examples)
+        if 0 < with_margin < len(self.examples):
+            raise ValueError(f"{with_margin} of {len(self.examples)} examples have a 'margin' field: give every "
+                             "record a margin, or none")
         self._sizes = [len(source) for source in sources]
         self._offsets = np.cumsum([0, *self._sizes[:-1]])
         longest = max_sequence_length(self.examples, kind)

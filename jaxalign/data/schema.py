@@ -6,7 +6,7 @@ Accepted formats (TRL's, plus the method-specific ones of the spec), by kind:
 * ``sft``: ``messages`` (conversational), or ``prompt`` + ``completion`` (both strings, or message lists).
 * ``preference``: ``prompt`` + ``chosen`` + ``rejected`` (strings, or a message list and assistant message
   lists); without ``prompt`` the shared prefix of ``chosen`` and ``rejected`` becomes the prompt (in token space
-  for strings, in message space for conversations).
+  for strings, in message space for conversations); an optional numeric ``margin`` (reward models).
 * ``unpaired`` (KTO): ``prompt`` + ``completion`` (strings, or a message list and assistant messages) + ``label``
   (``true`` = desirable, ``false`` = undesirable), TRL's unpaired preference format; preference pairs are also
   accepted (each becomes a desirable and an undesirable example, as TRL unpairs them).
@@ -21,6 +21,7 @@ Accepted formats (TRL's, plus the method-specific ones of the spec), by kind:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -130,6 +131,11 @@ def _pair(check: _Checker, record: Mapping[str, Any], prefix: str = "", sharegpt
             out["prompt"] = check.messages(prompt, prompt_key, sharegpt=sharegpt)
     if out["chosen"] == out["rejected"]:
         check.fail(rejected_key, f"identical to '{chosen_key}' (a pair needs two different responses)")
+    margin = record.get(f"{prefix}margin")
+    if margin is not None:  # TRL's reward-model margin (how much better chosen is)
+        if isinstance(margin, bool) or not isinstance(margin, int | float) or not math.isfinite(margin):
+            check.fail(f"{prefix}margin", f"expected a finite number, got {margin!r}")
+        out["margin"] = float(margin)
     if prompt is None and sharegpt:
         check.require(record, prompt_key)
     return out

@@ -149,6 +149,11 @@ class Tokenizer:
         return [self.bos_id, *ids[start:]], [0, *mask[start:]]
 
 
+def padding_id(hf_tokenizer) -> int:
+    """The id batches are padded with: the tokenizer's pad token, else 0 (padding is masked either way)."""
+    return hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else 0
+
+
 def bounded_template(source: str, max_chars: int) -> jinja2.Template:
     """``source`` compiled in the sandbox transformers renders chat templates in (its filters, globals and
     ``{% generation %}`` tag, through an overlay of its environment), with ``*`` and ``**`` intercepted: a
@@ -357,6 +362,8 @@ def _pair(tok: Tokenizer, pair: dict[str, Any], prefix: str, field_prefix: str) 
     for side, (p, c, t) in sides.items():
         tokens, mask = _join(tok, p, c, t, f"{field_prefix}{side}")
         out[f"{prefix}{side}_tokens"], out[f"{prefix}{side}_loss_mask"] = tokens, mask
+    if "margin" in pair:
+        out[f"{prefix}margin"] = np.float32(pair["margin"])
     return out
 
 

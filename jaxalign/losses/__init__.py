@@ -30,6 +30,7 @@ from jaxalign.losses.preference import (
     orpo,
     simpo,
 )
+from jaxalign.losses.reward import bradley_terry
 from jaxalign.losses.sft import sft
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "KTO_LOSS_TYPES",
     "SORTING_LOSS_TYPES",
     "alphapo_rewards",
+    "bradley_terry",
     "cpo",
     "dpo",
     "f_divergence_scores",

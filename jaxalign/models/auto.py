@@ -32,11 +32,11 @@ def bundled_smollm2() -> Path | None:
 
 
 def load_pretrained(path: str | os.PathLike, *, dtype=jnp.float32, mesh: Mesh | None = None,
-                    rules: Rules | None = None, config_overrides: Mapping[str, Any] | None = None,
+                    rules: Rules | None = None, config_overrides: Mapping[str, Any] | None = None, seed: int = 0,
                     ) -> tuple[LlamaForCausalLM, Any]:
     """(model, tokenizer) from a HF folder (tokenizer None if the folder has none), a GGUF file, or a Hub id
     ``Org/Name[@revision]`` through the Hugging Face cache (``jaxalign.hub``)."""
-    options = dict(dtype=dtype, mesh=mesh, rules=rules, config_overrides=config_overrides)
+    options = dict(dtype=dtype, mesh=mesh, rules=rules, config_overrides=config_overrides, seed=seed)
     location = resolve_model(path)  # a Hub id (Org/Name[@revision]) becomes its cached snapshot folder
     if location.is_file() and location.suffix == ".gguf":
         return load_gguf(location, **options)

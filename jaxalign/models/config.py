@@ -76,6 +76,7 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    num_labels: int = 0  # 0: a causal LM (LM head); 1: a reward model (scalar ``score`` head, no LM head)
 
     def __post_init__(self):
         out_of_range = [f"{name}={getattr(self, name)!r} must be an integer in [{low}, {high}]"
@@ -105,6 +106,9 @@ class LlamaConfig:
         if self.sliding_window_layers and len(self.sliding_window_layers) != self.num_layers:
             problems.append(f"sliding_window_layers has {len(self.sliding_window_layers)} entries for "
                             f"{self.num_layers} layers")
+        if self.num_labels not in (0, 1):
+            problems.append(f"num_labels={self.num_labels}: only 0 (causal LM) and 1 (a reward model's scalar head) "
+                            "are supported")
         if self.remat_policy not in REMAT_POLICIES:
             problems.append(f"remat_policy={self.remat_policy!r} (supported: {REMAT_POLICIES})")
         if self.attention_impl not in ATTENTION_IMPLS:
@@ -132,7 +136,7 @@ class LlamaConfig:
         attn += self.qkv_bias * hd * (self.num_heads + 2 * self.num_kv_heads) + self.o_bias * d
         mlp = 3 * d * self.intermediate_size + self.mlp_bias * (2 * self.intermediate_size + d)
         per_layer = attn + mlp + 2 * d
-        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        head = d * self.num_labels if self.num_labels else 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.num_layers * per_layer + self.vocab_size * d + d + head
 
     def inv_freq(self) -> np.ndarray:

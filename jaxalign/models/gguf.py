@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from jaxalign.models.config import LlamaConfig, RopeScaling
 from jaxalign.models.factory import build_model
-from jaxalign.models.hf import CheckpointError, from_hf, hf_layout, hf_shape, save_hf
+from jaxalign.models.hf import CheckpointError, from_hf, hf_layout, hf_shape, new_score_head, save_hf
 from jaxalign.models.llama import LlamaForCausalLM
 from jaxalign.parallel.mesh import Rules
 
@@ -211,11 +211,12 @@ def read_gguf_config(path: str | os.PathLike, *, dtype: str = "float32") -> Llam
 
 
 def load_gguf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: Mesh | None = None,
-              rules: Rules | None = None, config_overrides: Mapping[str, Any] | None = None,
+              rules: Rules | None = None, config_overrides: Mapping[str, Any] | None = None, seed: int = 0,
               ) -> tuple[LlamaForCausalLM, Any]:
     """(model, tokenizer) from a llama.cpp GGUF file; weights dequantised to ``dtype``.
 
-    ``config_overrides`` replaces config fields (e.g. ``attention_impl``)."""
+    ``config_overrides`` replaces config fields (e.g. ``attention_impl``; ``num_labels=1``: a reward model with a
+    new ``score`` head drawn from ``seed``)."""
     from gguf.quants import dequantize
 
     reader = _open(path)
@@ -231,6 +232,8 @@ def load_gguf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: Mesh | None =
 
     def load_tensor(our_path: tuple, shape: tuple[int, ...]) -> np.ndarray:
         hf_name, kind = hf_layout(our_path)
+        if hf_name == "score.weight":
+            return new_score_head(shape, seed)
         if hf_name not in hf_to_gguf:
             raise CheckpointError(f"{path}: the GGUF file has no tensor for {hf_name}")
         tensor = tensors[hf_to_gguf[hf_name]]

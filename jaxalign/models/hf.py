@@ -36,6 +36,8 @@ from jaxalign.parallel.mesh import Rules
 
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _ARCH_FROM_CLASS = {cls: arch for arch, cls in _HF_CLASS.items()}
+_ARCH_FROM_CLASS.update({cls.replace("ForCausalLM", "ForSequenceClassification"): arch
+                         for arch, cls in _HF_CLASS.items()})
 
 
 class CheckpointError(ValueError):
@@ -111,6 +113,7 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
+            num_labels=_num_labels(hf, source),
         )
     except KeyError as err:
         raise CheckpointError(f"{source}: missing field {err.args[0]!r}") from None
@@ -121,6 +124,17 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype
         for ours, theirs in _HF_FIELD_NAMES.items():
             message = re.sub(rf"\b{ours}=", f"{theirs}=", message)
         raise CheckpointError(f"{source}: {message}") from None
+
+
+def _num_labels(hf: Mapping[str, Any], source: str) -> int:
+    """0 for a causal LM; 1 for a ``*ForSequenceClassification`` reward model (one label), else an error."""
+    if not any(str(c).endswith("ForSequenceClassification") for c in hf.get("architectures") or []):
+        return 0
+    labels = len(hf["id2label"]) if isinstance(hf.get("id2label"), Mapping) else int(hf.get("num_labels", 2))
+    if labels != 1:
+        raise CheckpointError(f"{source}: a sequence classifier with {labels} labels; jaxalign loads reward models "
+                              "(num_labels=1) only")
+    return 1
 
 
 # our config field -> the config.json field it comes from (for messages about a config.json)
@@ -148,7 +162,8 @@ def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
                         "high_freq_factor": config.rope_scaling.high_freq_factor,
                         "original_max_position_embeddings": config.rope_scaling.original_max_position_embeddings}
     out: dict[str, Any] = {
-        "architectures": [_HF_CLASS[arch]],
+        "architectures": [_HF_CLASS[arch].replace("ForCausalLM", "ForSequenceClassification") if config.num_labels
+                          else _HF_CLASS[arch]],
         "model_type": arch,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
@@ -170,6 +185,8 @@ def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
         "torch_dtype": config.param_dtype,
         "use_cache": True,
     }
+    if config.num_labels:
+        out.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     if arch == "llama":
         out.update(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias)
     if arch == "mistral":
@@ -190,6 +207,7 @@ _LAYOUT = (
     (r"embed_tokens", "model.embed_tokens.weight", "copy"),
     (r"norm\.weight", "model.norm.weight", "copy"),
     (r"lm_head", "lm_head.weight", "linear:1"),
+    (r"score", "score.weight", "linear:1"),
     (r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", "model.layers.{0}.{1}.weight", "copy"),
     (r"layers\.(\d+)\.self_attn\.([qkv])_proj", "model.layers.{0}.self_attn.{1}_proj.weight", "linear:1"),
     (r"layers\.(\d+)\.self_attn\.o_proj", "model.layers.{0}.self_attn.o_proj.weight", "linear:2"),
@@ -329,11 +347,20 @@ def _safetensors_files(folder: Path) -> dict[str, TensorEntry]:
     return names
 
 
+def new_score_head(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """A reward head for a causal-LM checkpoint trained as a reward model: normal(0, 0.02), as transformers
+    initialises ``score``, from ``seed``."""
+    return (0.02 * np.random.default_rng([seed, 7]).standard_normal(shape)).astype(np.float32)
+
+
 def check_weights(files: Mapping[str, TensorEntry], config: LlamaConfig, folder: Path) -> None:
-    """Every tensor ``config`` needs is in ``files`` with the shape it needs and a floating-point dtype."""
+    """Every tensor ``config`` needs is in ``files`` with the shape it needs and a floating-point dtype (a reward
+    model's ``score`` head may be missing: a causal LM becoming a reward model gets a new one)."""
     for our_path, variable in nnx.to_flat_state(nnx.state(abstract_model(config), nnx.Param)):
         name, kind = hf_layout(our_path)
         entry = files.get(name)
+        if entry is None and name == "score.weight":
+            continue
         if entry is None:
             raise CheckpointError(f"{folder}: tensor {name} is missing from the checkpoint "
                                   f"(needed for parameter {'.'.join(map(str, our_path))})")
@@ -357,12 +384,15 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, mesh: Mesh | None = None,
-            rules: Rules | None = None, config_overrides: Mapping[str, Any] | None = None) -> LlamaForCausalLM:
+            rules: Rules | None = None, config_overrides: Mapping[str, Any] | None = None,
+            seed: int = 0) -> LlamaForCausalLM:
     """Loads a Hugging Face Llama / Mistral / Qwen2 folder (``config.json`` + safetensors).
 
     ``dtype`` is the compute dtype and, unless ``param_dtype`` is given, the parameter dtype. With
     ``mesh``, each tensor is read once and placed directly into its ``NamedSharding``.
     ``config_overrides`` replaces config fields that are not in the checkpoint (e.g. ``attention_impl``).
+    ``config_overrides={"num_labels": 1}`` loads a causal LM as a reward model: its LM head is dropped and a new
+    ``score`` head is drawn from ``seed`` (a reward-model checkpoint keeps its own).
     Raises ``CheckpointError`` naming the tensor and both shapes when the weights do not fit the config.
     """
     folder = Path(path)
@@ -379,6 +409,8 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, mes
 
     def load_tensor(our_path: tuple, shape: tuple[int, ...]) -> np.ndarray:
         name, kind = hf_layout(our_path)
+        if name == "score.weight" and name not in files:
+            return new_score_head(shape, seed)
         file = files[name].file
         if file not in handles:
             handles[file] = safe_open(str(file), framework="numpy")

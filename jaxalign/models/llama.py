@@ -277,7 +277,9 @@ class LlamaForCausalLM(nnx.Module):
         self.embed_tokens = _param(rngs, (v, d), ("vocab", "embed"), pd, d ** -0.5)
         self.layers = nnx.List([DecoderLayer(config, i, rngs) for i in range(config.num_layers)])
         self.norm = RMSNorm(d, config.rms_norm_eps, pd, rngs)
-        if not config.tie_word_embeddings:
+        if config.num_labels:  # a reward model: transformers' ``score`` (normal(0, 0.02) init), no LM head
+            self.score = _param(rngs, (d, config.num_labels), ("embed", None), pd, 0.02)
+        elif not config.tie_word_embeddings:
             self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), pd, d ** -0.5)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
@@ -291,7 +293,25 @@ class LlamaForCausalLM(nnx.Module):
 
     def head_kernel(self) -> jax.Array:
         """The unembedding ``[D, V]`` (the transposed embedding table when tied)."""
+        if self.config.num_labels and not self.config.tie_word_embeddings:
+            raise ValueError("a reward model (num_labels=1) has no LM head: score sequences with rewards()")
         return self.embed_tokens[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+
+    def rewards(self, tokens: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
+        """A reward model's scalar score ``[B]`` (float32) per sequence: the ``score`` head on the final hidden state
+        of the rightmost real token that is not ``pad_token_id`` (transformers' ``ForSequenceClassification``
+        rule, so a trailing EOS that doubles as the pad token is skipped exactly as there)."""
+        if not self.config.num_labels:
+            raise ValueError("rewards() needs a reward model (num_labels=1); this is a causal LM")
+        if attention_mask is None:
+            attention_mask = jnp.ones(tokens.shape, bool)
+        hidden, _ = self.hidden_states(tokens, attention_mask)
+        keep = attention_mask.astype(bool)
+        if self.config.pad_token_id is not None:
+            keep &= tokens != self.config.pad_token_id
+        last = jnp.max(jnp.where(keep, jnp.arange(tokens.shape[1]), 0), axis=1)
+        pooled = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+        return jnp.dot(pooled.astype(jnp.float32), self.score[...].astype(jnp.float32))[:, 0]
 
     def hidden_states(
         self,

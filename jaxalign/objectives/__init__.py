@@ -13,6 +13,7 @@ from jaxalign.objectives.kto import KTOParams
 from jaxalign.objectives.mpo import MPOParams, pool_hidden
 from jaxalign.objectives.preference import CPOParams, DPOParams, ORPOParams, SimPOParams
 from jaxalign.objectives.registry import OBJECTIVES, Objective, get_objective, make_params
+from jaxalign.objectives.reward import RewardParams
 from jaxalign.objectives.sft import SFTParams
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "Metric",
     "ORPOParams",
     "Objective",
+    "RewardParams",
     "SFTParams",
     "SimPOParams",
     "get_objective",

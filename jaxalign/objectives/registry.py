@@ -12,7 +12,7 @@ import difflib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jaxalign.objectives import grpo, ift, kto, mpo, preference, sft
+from jaxalign.objectives import grpo, ift, kto, mpo, preference, reward, sft
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +23,8 @@ class Objective:
     prompts it samples completions for, online); ``rows_per_example``: sequences per example in the forward pass
     (chosen + rejected; KTO: completion + mismatched; MPO: both languages); ``uses_reference``: needs a frozen
     reference (unless its params say ``reference_free``); ``console``: the headline metrics, shown on the log
-    line and drawn in ``curves.png``; ``packing``: supports ``data.packing`` (``packing_note`` says why not)."""
+    line and drawn in ``curves.png``; ``packing``: supports ``data.packing`` (``packing_note`` says why not);
+    ``head``: ``lm`` (a causal LM) or ``reward`` (a scalar score head, ``LlamaConfig.num_labels = 1``)."""
 
     fn: Callable
     params: type
@@ -33,6 +34,7 @@ class Objective:
     console: tuple[str, ...] = ("loss",)
     packing: bool = True
     packing_note: str = ""
+    head: str = "lm"
 
 
 PAIR_METRICS = ("loss", "rewards/margins", "rewards/accuracies")
@@ -49,6 +51,9 @@ OBJECTIVES: dict[str, Objective] = {
     "kto": Objective(kto.kto, kto.KTOParams, "unpaired", 2, uses_reference=True,
                      console=("loss", "kl", "rewards/chosen", "rewards/rejected"), packing=False,
                      packing_note="its KL reference point pairs each prompt with another example's completion"),
+    "reward": Objective(reward.reward, reward.RewardParams, "preference", 2,
+                        console=PAIR_METRICS, packing=False,
+                        packing_note="it scores each sequence at its last token", head="reward"),
     "mpo": Objective(mpo.mpo, mpo.MPOParams, "mpo", 4, uses_reference=True,
                      console=("loss", "mpo/gap_loss", "rewards/accuracies"), packing=False,
                      packing_note="its preservation term pools hidden states per sequence"),

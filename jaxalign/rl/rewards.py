@@ -9,7 +9,8 @@ group statistics and gets advantage 0). Rewards are named in a config by built-i
 
 Built in: ``exact_number`` (toy arithmetic, GSM8K's ``#### 42``), ``math`` (equivalence with the ``math-verify``
 package, as TRL's ``accuracy_reward``), ``think_answer_format`` and ``regex_format(pattern)``,
-``soft_overlong_penalty(max_length, cache)`` (DAPO, Eq. 13) and ``code_tests`` (a completion run against its
+``soft_overlong_penalty(max_length, cache)`` (DAPO, Eq. 13), ``reward_model:PATH`` (a trained reward model's
+score, ``jaxalign.rl.reward_model``) and ``code_tests`` (a completion run against its
 record's tests in a subprocess with a time and memory limit; HumanEval's ``prompt`` / ``test`` / ``entry_point``).
 """
 
@@ -224,6 +225,10 @@ def load_reward(name: str) -> Reward:
     ``package.module.function``)."""
     if name in BUILTIN:
         return BUILTIN[name]
+    if name.startswith("reward_model:"):  # a trained reward model (jaxalign.rl.reward_model)
+        from jaxalign.rl.reward_model import RewardModelReward
+
+        return RewardModelReward(name.removeprefix("reward_model:"))
     module_name, _, attr = name.partition(":") if ":" in name else name.rpartition(".")
     if not module_name or not attr:
         raise ValueError(f"reward {name!r} is neither built in ({', '.join(BUILTIN)}) nor a dotted path "

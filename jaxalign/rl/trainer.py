@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxalign.data.sources import read_records
+from jaxalign.data.tokenize import padding_id
 from jaxalign.data.toy import write_jsonl
 from jaxalign.losses import group_advantages
 from jaxalign.objectives.common import policy_token_logps
@@ -168,7 +169,7 @@ class GRPORun:
             raise ValueError(f"{record['_source']}, record {record['_index']}: the prompt takes {length} tokens, over "
                              f"data.max_length={limit} ({len(too_long)} prompts in all); raise data.max_length or "
                              "shorten them")
-        self.pad = tok.hf.pad_token_id if tok.hf.pad_token_id is not None else 0
+        self.pad = padding_id(tok.hf)
         self.prompt_ids, self.prompt_mask = left_pad(encoded, self.pad)
         log(f"data: {len(self.records)} prompts (up to {self.prompt_ids.shape[1]} tokens), "
             f"{len(self.eval_records)} held-out questions")
@@ -232,6 +233,7 @@ class GRPORun:
         columns = sorted({k for r in records for k in r if not k.startswith("_") and k not in ("messages", "prompt")})
         fields = {k: [r.get(k) for r in records] for k in columns}
         fields["completion_lengths"] = lengths.tolist()
+        fields["raw_prompts"] = [r["_prompt"] for r in records]  # before the chat template (reward models)
         mine = self.local_rows(len(records))  # each process scores its share; the table is then shared
         table = gather_rows(score(self.rewards, prompts[mine], texts[mine], {k: v[mine] for k, v in fields.items()},
                                   record_index=[int(r["_index"]) for r in records[mine]]))

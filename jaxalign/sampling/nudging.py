@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxalign.data.tokenize import padding_id
 from jaxalign.models.llama import KVCache
 from jaxalign.sampling.generate import cache_bucket, left_pad, sample
 
@@ -56,7 +57,7 @@ class TextModel:
         self.add_special_tokens = add_special_tokens
         eos = tokenizer.eos_token_id
         self.eos_ids = () if eos is None else (eos,)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.pad_id = padding_id(tokenizer)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0

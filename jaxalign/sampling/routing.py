@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxalign.data.sater import REFUSAL, extract_answer, is_refusal, numeric_verifier, stage1_pair, threshold_prompt
-from jaxalign.data.tokenize import as_tokenizer
+from jaxalign.data.tokenize import as_tokenizer, padding_id
 from jaxalign.sampling.generate import left_pad, sample
 
 
@@ -36,8 +36,7 @@ def chat_prompts(tokenizer, questions: Sequence[str]) -> tuple[np.ndarray, np.nd
     """Left-padded chat prompts (token ids, mask) for ``questions``, encoded as training encodes prompts
     (``tokenizer``: a ``data.Tokenizer`` with the run's template, or a transformers tokenizer)."""
     tok = as_tokenizer(tokenizer)
-    return left_pad([tok.encode_prompt(q) for q in questions],
-                    tok.hf.pad_token_id if tok.hf.pad_token_id is not None else 0)
+    return left_pad([tok.encode_prompt(q) for q in questions], padding_id(tok.hf))
 
 
 @dataclasses.dataclass

@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxalign.data.tokenize import Tokenizer
+from jaxalign.data.tokenize import Tokenizer, padding_id
 from jaxalign.hub import resolve_model
 from jaxalign.models import (
     LlamaConfig,
@@ -111,21 +111,30 @@ def tokenizer_for(spec: ModelSpec, own=None):
     return own
 
 
-def load_model(spec, *, seed: int = 0, mesh: Mesh | None = None, rules: Rules | None = None):
+def load_model(spec, *, seed: int = 0, mesh: Mesh | None = None, rules: Rules | None = None, head: str = "lm"):
     """(model, HF tokenizer) of a ``ModelSpec``: ``model.path`` loaded (straight into ``mesh``), or the random
-    preset created from ``seed``."""
+    preset created from ``seed``. ``head="reward"``: as a reward model (``num_labels=1``; a causal LM's LM head is
+    replaced by a new score head drawn from ``seed``); ``"lm"`` refuses a reward model."""
     spec = _model_spec(spec)
+    labels = {"num_labels": 1} if head == "reward" else {}
     if spec.path:
-        model, own = load_pretrained(spec.path, dtype=spec.dtype, mesh=mesh, rules=rules,
-                                     config_overrides=spec.overrides())
+        model, own = load_pretrained(spec.path, dtype=spec.dtype, mesh=mesh, rules=rules, seed=seed,
+                                     config_overrides={**spec.overrides(), **labels})
         if spec.param_dtype != spec.dtype:
             import warnings
 
             warnings.warn("model.param_dtype differs from model.dtype: loaded weights keep model.dtype", stacklevel=2)
     else:
-        model, own = create_model(model_config(spec), seed=seed, mesh=mesh, rules=rules), None
+        model, own = create_model(model_config(spec).replace(**labels), seed=seed, mesh=mesh, rules=rules), None
+    if head == "lm" and model.config.num_labels:
+        raise ValueError(f"model.path={spec.path!r} is a reward model (a score head, no LM head); this objective "
+                         "trains a causal LM: start from a causal LM checkpoint")
     tokenizer = tokenizer_for(spec, own)
     check_vocabulary(len(tokenizer), model.config.vocab_size, spec)
+    if head == "reward" and model.config.pad_token_id is None:
+        # scoring skips trailing pad tokens (transformers' rule): the id must be the one batches are padded with,
+        # in training and in the exported config alike
+        model.config = model.config.replace(pad_token_id=padding_id(tokenizer))
     return model, tokenizer
 
 
@@ -197,7 +206,8 @@ def build(spec: RunSpec, mesh: Mesh, *, log=lambda message: None) -> Engine:
     """Model, tokenizer, reference, optimizer, shardings and the fresh state of a run on ``mesh``."""
     rules = spec.mesh.rules_table
     with jax.set_mesh(mesh), use_rules(rules):
-        model, hf_tokenizer = load_model(spec.model, seed=spec.seed, mesh=mesh, rules=rules)
+        model, hf_tokenizer = load_model(spec.model, seed=spec.seed, mesh=mesh, rules=rules,
+                                         head=spec.objective.entry.head)
     config = model.config
     graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxalign.data.sater import extract_answer
-from jaxalign.data.tokenize import as_tokenizer
+from jaxalign.data.tokenize import as_tokenizer, padding_id
 from jaxalign.parallel.distributed import to_host
 from jaxalign.sampling import generate, left_pad
 from jaxalign.train.inputs import device_batch
@@ -33,7 +33,7 @@ def greedy_answers(model, tokenizer, prompts: list, *, max_new_tokens: int = 8, 
     tok = as_tokenizer(tokenizer)
     encoded = [tok.encode_prompt(p) for p in prompts]
     width = max(len(p) for p in encoded)
-    pad = tok.hf.pad_token_id if tok.hf.pad_token_id is not None else 0
+    pad = padding_id(tok.hf)
     texts = []
     for start in range(0, len(encoded), batch_size):
         chunk = encoded[start:start + batch_size]
@@ -90,7 +90,7 @@ def evaluate(engine, inputs, eval_fn) -> dict[str, float]:
             totals = metrics if not totals else jax.tree.map(jnp.add, totals, metrics)
         out.update(reduce(totals))
     answered = [r for r in inputs.eval_records if "answer" in r]  # exact match only where there is an answer
-    if answered and spec.generate > 0:
+    if answered and spec.generate > 0 and not engine.model_config.num_labels:  # a reward model does not generate
         out["accuracy"] = exact_match(engine.policy(), engine.tokenizer, answered[: spec.generate],
                                       max_new_tokens=spec.max_new_tokens)
     return out

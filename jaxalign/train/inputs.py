@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxalign.data import DataPipeline, PipelineConfig, load_sources
 from jaxalign.data.sources import read_records
+from jaxalign.data.tokenize import padding_id
 from jaxalign.data.toy import GENERATORS, write_jsonl
 from jaxalign.hub import resolve_dataset
 from jaxalign.train import reference_cache
@@ -138,7 +139,7 @@ def _load(spec: RunSpec, engine, workdir: Path, staging: Path, log: Callable[[st
             eval_sources, _ = attach(eval_sources, eval_paths)
         sources, cache = attach(sources, train_paths)
         log(f"reference log-probs {cache['status']}: {cache['path']}")
-    pad_id = engine.hf_tokenizer.pad_token_id if engine.hf_tokenizer.pad_token_id is not None else 0
+    pad_id = padding_id(engine.hf_tokenizer)
     hosts = dict(num_hosts=jax.process_count(), host_index=jax.process_index())
     pipeline = DataPipeline(sources, kind, PipelineConfig(
         batch_size=spec.train.batch_size, seed=spec.seed, shuffle=data.shuffle, weights=data.mixture_weights(),

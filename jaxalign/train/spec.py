@@ -248,6 +248,10 @@ class LoRASpec:
         if not self.enabled:
             return []
         problems = []
+        entry = run.objective.entry
+        if entry is not None and entry.head == "reward":
+            problems.append("lora.enabled with the reward objective: LoRA trains the adapters only, so the new score "
+                            "head would stay at its random initialisation; train the reward model without LoRA")
         if not isinstance(self.rank, int) or self.rank < 1:
             problems.append(f"lora.rank={self.rank!r} must be an integer >= 1 (8 or 16 are common)")
         if not self.alpha > 0:
