@@ -7,8 +7,9 @@ question), or "The answer is N.". Greedy decoding of the base alone rarely answe
 × 64) is trained briefly on chat-format SFT ("The answer is N."), so it follows the format but is weak at the
 sums. Nudging (same toy tokenizer, so the KV-cached fast path `nudge_cached`) lets the aligned model write where
 the base's top-1 probability is below γ. Scored by exact match of the number in the first answer line on
-held-out questions, for γ from 0 (base alone) to above 1 (aligned alone); the word-level cross-tokenizer
-algorithm `nudge` is run at the default γ on a subset as a check that both paths agree in effect.
+held-out questions, for γ from 0 (base alone) to above 1 (aligned alone). The word-level cross-tokenizer
+algorithm `nudge` runs on a subset at three γ in both turn orders: the official code's (the default, each round
+starts with the aligned model) and the paper's (the base model first).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from jaxalign.sampling import TextModel, nudge, nudge_cached
 STUDY = "nudging_toy"
 GAMMAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.01)
 DEFAULT_GAMMA = 0.4
+WORD_GAMMAS = (0.0, DEFAULT_GAMMA, 1.01)
+ORDERS = ("nudger_first", "base_first")
 STYLES = ("refuse", "digress", "answer")
 
 
@@ -102,12 +105,16 @@ def run_seed(seed: int, sizes: dict, workdir, smoke: bool) -> dict:
             "rounds": float(np.mean([r.rounds for r in results])),
             "example": results[0].text}
     subset = held[: sizes["word_level"]]
-    word = [nudge(base, nudger, base_prompts[i], chat_prompts[i], gamma=DEFAULT_GAMMA, max_tokens=24, lookahead=8)
-            for i in range(len(subset))]
-    word_acc = float(np.mean([score(r.text, gold) for r, (_, gold) in zip(word, subset, strict=True)]))
-    return {"seed": seed, "by_gamma": {str(g): v for g, v in rows.items()}, "word_level_accuracy": word_acc,
-            "word_level_questions": len(subset),
-            "word_level_nudged_share": float(np.mean([r.nudged_share for r in word]))}
+    word = {}
+    for order in ORDERS:
+        for gamma in WORD_GAMMAS:
+            results = [nudge(base, nudger, base_prompts[i], chat_prompts[i], gamma=gamma, max_tokens=24, lookahead=8,
+                             order=order) for i in range(len(subset))]
+            word[f"{order}@{gamma}"] = {
+                "accuracy": float(np.mean([score(r.text, gold) for r, (_, gold) in zip(results, subset, strict=True)])),
+                "nudged_share": float(np.mean([r.nudged_share for r in results])), "example": results[0].text}
+    return {"seed": seed, "by_gamma": {str(g): v for g, v in rows.items()}, "word_level": word,
+            "word_level_questions": len(subset)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -126,10 +133,14 @@ def main(argv: list[str] | None = None) -> dict:
         share = [s["by_gamma"][str(gamma)]["nudged_token_share"] for s in per_seed]
         rows.append([label, pm(acc, 100), pm(share, 100)])
     markdown = table(["γ", "accuracy %", "tokens written by the aligned model %"], rows)
-    word = [s["word_level_accuracy"] for s in per_seed]
-    markdown += (f"\n\nWord-level cross-tokenizer algorithm (`nudge`, γ = {DEFAULT_GAMMA}, first "
-                 f"{per_seed[0]['word_level_questions']} questions): accuracy {pm(word, 100)} %.\n"
-                 f"Seeds: {', '.join(map(str, seeds))}; {sizes['eval']} held-out questions per seed.")
+    names = {"nudger_first": "official (aligned model first, default)", "base_first": "paper (base first)"}
+    word_rows = [[names[order], str(gamma)] + [pm([s["word_level"][f"{order}@{gamma}"][key] for s in per_seed], 100)
+                                               for key in ("accuracy", "nudged_share")]
+                 for order in ORDERS for gamma in WORD_GAMMAS]
+    markdown += (f"\n\nWord-level cross-tokenizer algorithm (`nudge`, first {per_seed[0]['word_level_questions']} "
+                 "questions):\n\n" + table(["turn order", "γ", "accuracy %", "words written by the aligned model %"],
+                                           word_rows)
+                 + f"\n\nSeeds: {', '.join(map(str, seeds))}; {sizes['eval']} held-out questions per seed.")
     example = per_seed[0]["by_gamma"][str(DEFAULT_GAMMA)]["example"]
     markdown += f"\nExample at γ = {DEFAULT_GAMMA}: `{example.strip()}`"
     results = {"sizes": sizes, "seeds": seeds, "per_seed": per_seed}

@@ -82,9 +82,11 @@ def test_no_module_outside_the_builder_makes_a_model_from_a_config():
 
 
 def test_objective_facts_come_from_the_registry():
-    assert [o.data_kind for o in OBJECTIVES.values()] == ["sft", "sft", "preference", "preference", "preference", "mpo",
-                                                          "prompt"]
-    assert {name for name, o in OBJECTIVES.items() if o.uses_reference} == {"dpo", "mpo", "grpo"}  # grpo: beta > 0
+    assert [o.data_kind for o in OBJECTIVES.values()] == ["sft", "sft", "preference", "preference", "preference",
+                                                          "preference", "unpaired", "preference", "mpo", "prompt"]
+    # grpo: with beta > 0
+    assert {name for name, o in OBJECTIVES.items() if o.uses_reference} == {"dpo", "kto", "mpo", "grpo"}
+    assert [name for name, o in OBJECTIVES.items() if o.head == "reward"] == ["reward"]
     for objective in OBJECTIVES.values():  # the engine setting is defined once, inherited by every Params class
         assert objective.params().logps_chunk_size == -1
         assert "logps_chunk_size" not in inspect.get_annotations(objective.params)

@@ -1,4 +1,5 @@
-"""Nudging on tiny models with different tokenizers: γ = 0 is the base alone, γ > 1 is the nudger every round."""
+"""Nudging on tiny models with different tokenizers. In the paper's order (``order="base_first"``) γ = 0 is the base
+alone and γ > 1 the nudger every round; the official order (the default) is checked in test_nudging_official.py."""
 
 import jax
 import numpy as np
@@ -31,7 +32,7 @@ def models():
 
 def test_gamma_zero_is_the_base_models_greedy_output(models):
     base, nudger, nudger_prompt = models
-    result = nudge(base, nudger, PROMPT, nudger_prompt, gamma=0.0, max_tokens=24)
+    result = nudge(base, nudger, PROMPT, nudger_prompt, gamma=0.0, max_tokens=24, order="base_first")
     alone = base.continue_text(PROMPT, 24)
     assert result.text == remove_repeated_suffix(alone.text)
     assert result.rounds == 0 and result.nudged_words == 0 and result.nudger_tokens == 0
@@ -39,7 +40,8 @@ def test_gamma_zero_is_the_base_models_greedy_output(models):
 
 def test_gamma_above_one_nudges_every_round(models):
     base, nudger, nudger_prompt = models
-    result = nudge(base, nudger, PROMPT, nudger_prompt, gamma=1.5, max_tokens=24, max_rounds=6, lookahead=8)
+    result = nudge(base, nudger, PROMPT, nudger_prompt, gamma=1.5, max_tokens=24, max_rounds=6, lookahead=8,
+                   order="base_first")
     assert result.base_tokens == 0 and result.rounds >= 1 and result.nudger_tokens > 0
     assert result.nudged_words >= result.total_words and result.nudged_share >= 1.0
 
@@ -48,7 +50,8 @@ def test_intermediate_gamma_mixes_both(models):
     base, nudger, nudger_prompt = models
     probs = base.continue_text(PROMPT, 24).top1
     gamma = float(np.median(probs))  # the base is unsure about half the time
-    result = nudge(base, nudger, PROMPT, nudger_prompt, gamma=gamma, max_tokens=24, max_rounds=5, lookahead=8)
+    result = nudge(base, nudger, PROMPT, nudger_prompt, gamma=gamma, max_tokens=24, max_rounds=5, lookahead=8,
+                   order="base_first")
     assert 1 <= result.rounds <= 5 and result.text  # the base is unsure within 24 tokens, so a nudge happened
     assert result.nudged_words > 0 and result.nudger_tokens > 0
 

@@ -4,19 +4,26 @@ base model is unsure.
 The two models exchange text, not token ids, so they may use different tokenizers (a character-level one and a
 BPE one, say): every call re-tokenises the shared string with the caller's own tokenizer.
 
-A round, following the paper's rule (base first) with the official code's word-level hand-over
-(``fywalter/nudging``, ``utils.completion_with_nudging``):
+``nudge`` follows the official code's turn order by default (``order="nudger_first"``; ``fywalter/nudging`` @
+2ffbf1f, ``utils.completion_with_nudging`` and ``complete_with_base``). Each round:
 
-1. the base model continues greedily while its top-1 probability stays at or above ``gamma`` (one jitted decode
-   that stops *before* the first unsure token); base EOS ends the answer;
-2. at the unsure position the nudging model looks ahead ``lookahead`` tokens greedily; its first word is always
-   taken; further words are taken while the base model neither starts the next nudging word itself nor is
-   confident there (the code's acceptance test); if the look-ahead ends with EOS it is taken whole and the
-   answer ends;
-3. guards: at most ``max_rounds`` nudges, a base-token budget ``max_tokens``, the same nudged text three rounds in a
-   row stops, and a repeated suffix of ≥ 30 characters is removed at the end.
+1. the nudging model looks ahead ``lookahead`` tokens greedily on its prompt + the answer so far; if the look-ahead
+   ends with EOS it is taken whole and the answer ends;
+2. its first word is always taken; further words are taken until the base model, asked for ``chunk`` greedy tokens
+   after them, either starts the next nudging word itself or is confident there (top-1 probability >= ``gamma``);
+   if it never does, the words but the last are taken and the next round asks the nudging model again;
+3. the base model's first token of that probe is taken unconditionally, then its tokens while their top-1
+   probability stays >= ``gamma``, in ``chunk``-token calls (the budget is checked before each call, so the last
+   may run past it); a chunk found in the answer already (more than 5 words), an empty chunk, or base EOS ends the
+   stage, not the answer;
+4. guards: ``max_rounds`` rounds, a budget of ``max_tokens`` base-tokenizer tokens (the official code counts
+   GPT-3.5 tokens), the same nudging words a fourth round in a row stops; at the end the answer is stripped and
+   its repeated suffixes (>= 30 characters, found by the code's binary search) are removed.
 
-``gamma = 0`` is the base model's greedy output exactly; ``gamma > 1`` hands every round to the nudging model.
+So ``gamma = 0`` is the nudging model's first word, then the base model's greedy continuation; ``gamma > 1`` takes
+the base model's token only where it starts the next nudging word. ``order="base_first"`` is the paper's
+description instead: the base decodes until its top-1 probability falls below ``gamma`` and only then does the
+nudging model write (``gamma = 0`` is then exactly the base model's greedy output).
 
 ``nudge_cached`` is the same-tokenizer fast path (the official ``nudging_with_caching`` notebook's token-level
 variant, without its speculative drafting): both models keep a KV cache and advance together in one jitted loop,
@@ -44,8 +51,14 @@ PROMPT_BUCKET = 64
 class Continuation:
     text: str
     token_texts: list[str]
-    top1: list[float]
+    top1: list[float]  # per generated token, EOS included
     ended: bool  # stopped at EOS
+
+    @property
+    def tokens(self) -> list[str]:
+        """The generated tokens as an OpenAI-style completions API lists them (what the official Nudging code
+        reads): the EOS included, decoded as ``""``; aligned with ``top1``."""
+        return [*self.token_texts, ""] if self.ended else list(self.token_texts)
 
 
 class TextModel:
@@ -99,6 +112,27 @@ class NudgingResult:
         return self.nudged_words / max(self.total_words, 1)
 
 
+def longest_repeated_suffix(text: str, min_length: int = 30) -> str | None:
+    """The official ``find_longest_repeated_suffix``: a binary search over suffix lengths for one that immediately
+    repeats (``text[:-n].endswith(text[-n:])``, ``n >= min_length``); None if the search finds none."""
+    left, right, found = 0, len(text), 0
+    while left <= right:
+        mid = (left + right) // 2
+        if mid >= min_length and text[:-mid].endswith(text[-mid:]):
+            found, left = mid, mid + 1
+        else:
+            right = mid - 1
+    return text[-found:] if found else None
+
+
+def remove_redundant_repetitions(text: str) -> str:
+    """The official final clean-up: strip, then drop the longest repeated suffix until there is none."""
+    text = text.strip()
+    while suffix := longest_repeated_suffix(text):
+        text = text[:-len(suffix)]
+    return text
+
+
 def remove_repeated_suffix(text: str, min_length: int = 30) -> str:
     """Strips a suffix of ``min_length``+ characters that immediately repeats itself, until none is left."""
     changed = True
@@ -115,10 +149,21 @@ def _leading_spaces(text: str) -> str:
     return text[: len(text) - len(text.lstrip(" "))]
 
 
+NUDGING_ORDERS = ("nudger_first", "base_first")
+
+
 def nudge(base: TextModel, nudger: TextModel, base_prompt: str, nudger_prompt: str, *, gamma: float = 0.3,
-          lookahead: int = 16, max_tokens: int = 512, max_rounds: int = 150) -> NudgingResult:
+          lookahead: int = 16, max_tokens: int = 512, max_rounds: int = 150, order: str = "nudger_first",
+          chunk: int = 16) -> NudgingResult:
     """Decodes an answer with ``base`` guided by ``nudger``; prompts are plain strings in each model's own format
-    (e.g. ``"Question: ...\\nAnswer:"`` for the base, the chat-template rendering for the nudger)."""
+    (e.g. ``"Question: ...\\nAnswer:"`` for the base, the chat-template rendering for the nudger). ``order``:
+    ``nudger_first`` (the official code, default) or ``base_first`` (the paper's description); ``chunk``: tokens
+    per base call in the official order (16 in the code)."""
+    if order == "nudger_first":
+        return _nudge_official(base, nudger, base_prompt, nudger_prompt, gamma=gamma, lookahead=lookahead,
+                               chunk=chunk, max_tokens=max_tokens, max_rounds=max_rounds)
+    if order != "base_first":
+        raise ValueError(f"order={order!r}; expected one of {NUDGING_ORDERS}")
     answer, rounds, nudged_words, base_tokens, nudger_tokens = "", 0, 0, 0, 0
     recent: list[str] = []
     while True:
@@ -153,6 +198,72 @@ def nudge(base: TextModel, nudger: TextModel, base_prompt: str, nudger_prompt: s
         answer += chunk
         nudged_words += len(chunk.split())
     answer = remove_repeated_suffix(answer)
+    return NudgingResult(text=answer, rounds=rounds, nudged_words=nudged_words, total_words=len(answer.split()),
+                         base_tokens=base_tokens, nudger_tokens=nudger_tokens)
+
+
+def _base_stage(base: TextModel, base_prompt: str, answer: str, probe: Continuation, gamma: float, chunk: int,
+                budget: int) -> tuple[str, int]:
+    """Stage 2 of a round (the official ``complete_with_base``): the probe's first token, then base tokens while
+    confident, ``chunk`` at a time; ``(text, base tokens taken)``."""
+    text, taken = probe.tokens[0], 1
+    pieces, top1, finished, first = probe.tokens[1:], probe.top1[1:], False, True
+    while base.count_tokens(text) < budget:
+        if not first:
+            more = base.continue_text(base_prompt + answer + text, chunk)
+            pieces, top1, finished = more.tokens, more.top1, more.ended
+        whole = "".join(pieces)
+        if whole in text:  # a repeat, or nothing (the empty string is in every text)
+            break
+        unsure = next((i for i, p in enumerate(top1) if p < gamma), -1)
+        new = "".join(pieces[:unsure]) if unsure >= 0 else whole
+        if len(new.split(" ")) > 5 and new in answer + text:  # the code's repetition check
+            break
+        text += new
+        taken += unsure if unsure >= 0 else len(pieces)
+        if unsure >= 0 or (not first and finished):
+            break
+        first = False
+    return text, taken
+
+
+def _nudge_official(base: TextModel, nudger: TextModel, base_prompt: str, nudger_prompt: str, *, gamma: float,
+                    lookahead: int, chunk: int, max_tokens: int, max_rounds: int) -> NudgingResult:
+    answer, rounds, nudged_words, base_tokens, nudger_tokens = "", 0, 0, 0, 0
+    last_words, repeats = "", 0
+    while base.count_tokens(answer) < max_tokens and rounds < max_rounds:
+        rounds += 1
+        look = nudger.continue_text(nudger_prompt + answer, lookahead)
+        nudger_tokens += len(look.token_texts) + look.ended
+        if look.ended:  # the nudging model finished the answer
+            answer += look.text
+            nudged_words += len(look.text.split())
+            break
+        lead, words = _leading_spaces(look.text), look.text.lstrip(" ").split(" ")
+        keep, accepted, probe = (0 if len(words) > 1 else 1), False, None
+        while not accepted and keep < len(words) - 1:
+            keep += 1
+            if not words[keep]:  # a double space
+                continue
+            probe = base.continue_text(base_prompt + answer + lead + " ".join(words[:keep]), chunk)
+            first = probe.tokens[0]  # "" if the base ends at once: it starts every word
+            accepted = (" " + words[keep]).startswith(first) or probe.top1[0] >= gamma
+        taken = lead + " ".join(words[:keep])
+        if taken == last_words:
+            repeats += 1
+            if repeats >= 3:
+                break
+        else:
+            last_words, repeats = taken, 0
+        answer += taken
+        nudged_words += len(taken.split())
+        if not accepted or not probe.text:  # ask the nudging model again / the base has nothing to add
+            continue
+        text, taken_tokens = _base_stage(base, base_prompt, answer, probe, gamma, chunk,
+                                         max_tokens - base.count_tokens(answer))
+        answer += text
+        base_tokens += taken_tokens
+    answer = remove_redundant_repetitions(answer)
     return NudgingResult(text=answer, rounds=rounds, nudged_words=nudged_words, total_words=len(answer.split()),
                          base_tokens=base_tokens, nudger_tokens=nudger_tokens)
 
