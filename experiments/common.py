@@ -92,6 +92,20 @@ def mean_std(values) -> tuple[float, float]:
     return float(values.mean()), float(values.std(ddof=1)) if len(values) > 1 else 0.0
 
 
+# two-sided 95 % quantiles of Student's t by degrees of freedom (n − 1)
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def t_interval(values) -> tuple[float, float, float]:
+    """(mean, low, high): the 95 % t confidence interval of the mean (the mean alone for one value)."""
+    values = np.asarray(values, np.float64)
+    mean = float(values.mean())
+    if len(values) < 2:
+        return mean, mean, mean
+    half = T_975.get(len(values) - 1, 1.96) * float(values.std(ddof=1)) / np.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
 def pm(values, scale: float = 1.0, digits: int = 1) -> str:
     mean, std = mean_std(np.asarray(values) * scale)
     return f"{mean:.{digits}f} ± {std:.{digits}f}" if len(values) > 1 else f"{mean:.{digits}f}"

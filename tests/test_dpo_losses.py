@@ -279,8 +279,9 @@ def torch_token_logps_and_lss(logits, tokens, mask):
 
 
 @pytest.mark.parametrize(("ld_alpha", "use_weighting", "types"), [
-    (0.3, False, "sigmoid"), (1.0, True, "sigmoid"), (0.5, True, "sigmoid,apo_zero"), (0.5, False, "sigmoid,sft"),
-    (0.0, False, "ipo")])
+    pytest.param(0.3, False, "sigmoid", marks=pytest.mark.slow),
+    pytest.param(1.0, True, "sigmoid", marks=pytest.mark.slow), (0.5, True, "sigmoid,apo_zero"),
+    (0.5, False, "sigmoid,sft"), pytest.param(0.0, False, "ipo", marks=pytest.mark.slow)])
 def test_ld_dpo_and_wpo_through_the_objective_equal_trl(ld_alpha, use_weighting, types, tiny_config):
     policy, reference = create_model(tiny_config, seed=5), create_model(tiny_config, seed=6)
     batch = objective_batch()
@@ -334,6 +335,7 @@ def test_rpo_alpha_is_the_sft_term_and_params_are_checked():
             DPOParams(**bad)
 
 
+@pytest.mark.slow
 def test_a_combined_variant_trains_from_the_command_line_and_reruns_from_config_json(tmp_path):
     from jaxalign.cli import main
 

@@ -83,7 +83,8 @@ def test_no_module_outside_the_builder_makes_a_model_from_a_config():
 
 def test_objective_facts_come_from_the_registry():
     assert [o.data_kind for o in OBJECTIVES.values()] == ["sft", "sft", "preference", "preference", "preference",
-                                                          "preference", "unpaired", "preference", "mpo", "prompt"]
+                                                          "preference", "unpaired", "preference", "sft", "mpo",
+                                                          "prompt"]
     # grpo: with beta > 0
     assert {name for name, o in OBJECTIVES.items() if o.uses_reference} == {"dpo", "kto", "mpo", "grpo"}
     assert [name for name, o in OBJECTIVES.items() if o.head == "reward"] == ["reward"]

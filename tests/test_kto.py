@@ -89,8 +89,9 @@ def trl_kto_loss(policy, reference, batch, *, beta, desirable_weight, undesirabl
     return losses_.nanmean(), kl
 
 
-@pytest.mark.parametrize(("loss_type", "weights", "beta"), [("kto", (1.0, 1.0), 0.1), ("kto", (1.33, 0.7), 0.5),
-                                                             ("apo_zero_unpaired", (1.0, 1.0), 0.3)])
+@pytest.mark.parametrize(("loss_type", "weights", "beta"), [
+    pytest.param("kto", (1.0, 1.0), 0.1, marks=pytest.mark.slow), ("kto", (1.33, 0.7), 0.5),
+    pytest.param("apo_zero_unpaired", (1.0, 1.0), 0.3, marks=pytest.mark.slow)])
 def test_kto_equals_trl_on_transformers_models(loss_type, weights, beta, tmp_path):
     from torch_reference import assert_grads_match, jax_grads_by_hf_name, make_reference
 

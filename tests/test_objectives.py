@@ -290,7 +290,8 @@ def test_pool_hidden():
 
 
 def test_registry_and_params_errors():
-    assert set(objectives.OBJECTIVES) == {"sft", "dpo", "simpo", "orpo", "cpo", "kto", "reward", "ift", "mpo", "grpo"}
+    assert set(objectives.OBJECTIVES) == {"sft", "dpo", "simpo", "orpo", "cpo", "kto", "reward", "distill", "ift",
+                                          "mpo", "grpo"}
     assert make_params("dpo", {"beta": 0.2}).beta == 0.2
     with pytest.raises(ValueError, match=r"no hyper-parameters \['betta'\]"):
         make_params("dpo", {"betta": 0.2})

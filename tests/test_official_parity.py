@@ -53,18 +53,31 @@ def jax_loss_and_grads(model, objective: str, batch, hparams, **kwargs):
     return float(loss), grads
 
 
-# --------------------------------------------------------------------------------------------------- MPO
-def official_mpo_concatenated_forward(model, batch, prefix):
-    """LLaMA-Factory ``CustomDPOTrainer.concatenated_forward`` as circle-hit/MPO runs it: chosen and rejected
-    concatenated on the batch axis; ``get_batch_logps`` (labels -100 on prompt and padding, shifted) divided by
-    the valid length; the last hidden layer averaged over every position (dim 1, padding included)."""
+def concatenated_inputs(batch, prefix=""):
+    """TRL's ``concatenated_inputs`` (decoder only): chosen rows then rejected rows, and their trained-token mask."""
     ids = torch.cat([torch.tensor(batch[f"{prefix}chosen_tokens"]), torch.tensor(batch[f"{prefix}rejected_tokens"])])
     attention = torch.cat([torch.tensor(batch[f"{prefix}chosen_attention_mask"]),
                            torch.tensor(batch[f"{prefix}rejected_attention_mask"])])
     trained = torch.cat([torch.tensor(batch[f"{prefix}chosen_loss_mask"]),
                          torch.tensor(batch[f"{prefix}rejected_loss_mask"])])
+    return ids.long(), attention.long(), trained
+
+
+def cross_entropy_loss(logits, labels):
+    """The ``cross_entropy_loss`` both ``ORPOTrainer`` and ``CPOTrainer.concatenated_forward`` define."""
+    logits = logits[..., :-1, :].contiguous()
+    labels = labels[..., 1:].contiguous()
+    return torch.nn.CrossEntropyLoss()(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+
+# --------------------------------------------------------------------------------------------------- MPO
+def official_mpo_concatenated_forward(model, batch, prefix):
+    """LLaMA-Factory ``CustomDPOTrainer.concatenated_forward`` as circle-hit/MPO runs it: chosen and rejected
+    concatenated on the batch axis; ``get_batch_logps`` (labels -100 on prompt and padding, shifted) divided by
+    the valid length; the last hidden layer averaged over every position (dim 1, padding included)."""
+    ids, attention, trained = concatenated_inputs(batch, prefix)
     labels = torch.where(trained.bool(), ids, torch.full_like(ids, -100)).long()
-    out = model(input_ids=ids.long(), attention_mask=attention.long(), output_hidden_states=True)
+    out = model(input_ids=ids, attention_mask=attention, output_hidden_states=True)
     logits = out.logits.float()
     labels = labels[:, 1:].clone()
     logits = logits[:, :-1, :]
@@ -94,7 +107,7 @@ def official_mpo_loss(policy, reference, batch, beta):
     return gap_loss + retain
 
 
-@pytest.mark.parametrize("beta", [1.0, 1.5])
+@pytest.mark.parametrize("beta", [pytest.param(1.0, marks=pytest.mark.slow), 1.5])
 def test_mpo_on_right_padded_batches_equals_the_official_code(beta, tmp_path):
     from torch_reference import assert_grads_match, jax_grads_by_hf_name, make_reference
 
@@ -128,17 +141,9 @@ def trl_orpo_loss(model, batch, beta):
     """TRL 1.16 ``ORPOTrainer.concatenated_forward`` + ``odds_ratio_loss`` + ``get_batch_loss_metrics`` (decoder
     only): the NLL is ``nn.CrossEntropyLoss`` over the chosen rows with labels = every non-padding token (prompt and
     response); the odds use response-only average log-probs; ``loss = nll − mean(β·log σ(log odds))``."""
-    ids = torch.cat([torch.tensor(batch["chosen_tokens"]), torch.tensor(batch["rejected_tokens"])]).long()
-    attention = torch.cat([torch.tensor(batch["chosen_attention_mask"]),
-                           torch.tensor(batch["rejected_attention_mask"])]).long()
-    trained = torch.cat([torch.tensor(batch["chosen_loss_mask"]), torch.tensor(batch["rejected_loss_mask"])])
+    ids, attention, trained = concatenated_inputs(batch)
     len_chosen = batch["chosen_tokens"].shape[0]
     all_logits = model(input_ids=ids, attention_mask=attention).logits
-
-    def cross_entropy_loss(logits, labels):
-        logits = logits[..., :-1, :].contiguous()
-        labels = labels[..., 1:].contiguous()
-        return torch.nn.CrossEntropyLoss()(logits.view(-1, logits.shape[-1]), labels.view(-1))
 
     labels = torch.where(attention == 1, ids, -100)
     chosen_nll_loss = cross_entropy_loss(all_logits[:len_chosen], labels[:len_chosen])
@@ -154,7 +159,7 @@ def trl_orpo_loss(model, batch, beta):
     return chosen_nll_loss - losses.mean()
 
 
-@pytest.mark.parametrize("chunk", [0, 32])
+@pytest.mark.parametrize("chunk", [pytest.param(0, marks=pytest.mark.slow), 32])
 def test_orpo_with_trl_nll_equals_trl(chunk, tmp_path):
     from torch_reference import assert_grads_match, jax_grads_by_hf_name, make_reference
 
@@ -180,18 +185,10 @@ def trl_cpo_loss(model, batch, *, beta, loss_type, cpo_alpha, alpha, simpo_gamma
     ``loss = losses.mean() + cpo_alpha · nll`` (``alphapo``: simpo with ``cpo_alpha = 0``, as ``CPOConfig`` maps it)."""
     if loss_type == "alphapo":
         loss_type, cpo_alpha = "simpo", 0.0
-    ids = torch.cat([torch.tensor(batch["chosen_tokens"]), torch.tensor(batch["rejected_tokens"])]).long()
-    attention = torch.cat([torch.tensor(batch["chosen_attention_mask"]),
-                           torch.tensor(batch["rejected_attention_mask"])]).long()
-    trained = torch.cat([torch.tensor(batch["chosen_loss_mask"]), torch.tensor(batch["rejected_loss_mask"])])
+    ids, attention, trained = concatenated_inputs(batch)
     len_chosen = batch["chosen_tokens"].shape[0]
     all_logits = model(input_ids=ids, attention_mask=attention).logits
     labels = torch.where(trained.bool(), ids, -100)
-
-    def cross_entropy_loss(logits, labels):
-        logits = logits[..., :-1, :].contiguous()
-        labels = labels[..., 1:].contiguous()
-        return torch.nn.CrossEntropyLoss()(logits.view(-1, logits.shape[-1]), labels.view(-1))
 
     nll_loss = cross_entropy_loss(all_logits[:len_chosen], labels[:len_chosen]) if cpo_alpha else 0.0
     shifted = labels[:, 1:].clone()
@@ -222,8 +219,10 @@ def trl_cpo_loss(model, batch, *, beta, loss_type, cpo_alpha, alpha, simpo_gamma
 
 
 @pytest.mark.parametrize(("loss_type", "alpha", "smoothing"), [
-    ("sigmoid", 0.0, 0.0), ("sigmoid", 0.0, 0.1), ("hinge", 0.0, 0.0), ("ipo", 0.0, 0.0), ("simpo", 0.0, 0.0),
-    ("alphapo", 0.25, 0.0), ("sigmoid", -0.1, 0.0)])
+    pytest.param("sigmoid", 0.0, 0.0, marks=pytest.mark.slow), ("sigmoid", 0.0, 0.1),
+    pytest.param("hinge", 0.0, 0.0, marks=pytest.mark.slow), pytest.param("ipo", 0.0, 0.0, marks=pytest.mark.slow),
+    pytest.param("simpo", 0.0, 0.0, marks=pytest.mark.slow), ("alphapo", 0.25, 0.0),
+    pytest.param("sigmoid", -0.1, 0.0, marks=pytest.mark.slow)])
 def test_cpo_and_alphapo_equal_trl(loss_type, alpha, smoothing, tmp_path):
     from torch_reference import assert_grads_match, jax_grads_by_hf_name, make_reference
 

@@ -66,7 +66,8 @@ def trl_reward_loss(model, batch, center_rewards_coefficient=None):
     return loss, rewards_chosen.detach().numpy(), rewards_rejected.detach().numpy()
 
 
-@pytest.mark.parametrize(("margin", "center"), [(False, None), (True, None), (True, 0.01)])
+@pytest.mark.parametrize(("margin", "center"), [pytest.param(False, None, marks=pytest.mark.slow),
+                                               pytest.param(True, None, marks=pytest.mark.slow), (True, 0.01)])
 def test_reward_loss_equals_trl_on_a_transformers_reward_model(margin, center, tmp_path):
     from torch_reference import assert_grads_match, jax_grads_by_hf_name
 

@@ -3,6 +3,7 @@
 Nothing here runs a model or touches I/O; ``jaxalign.objectives`` runs the forward passes and calls these.
 """
 
+from jaxalign.losses.distill import generalized_jsd
 from jaxalign.losses.grpo import GRPO_LOSS_TYPES, group_advantages, grpo, grpo_terms, sampling_correction
 from jaxalign.losses.ift import ift, ift_weights, reverse_discounted_cumsum
 from jaxalign.losses.kto import KTO_LOSS_TYPES, kto, kto_kl
@@ -47,6 +48,7 @@ __all__ = [
     "dpo",
     "f_divergence_scores",
     "fused_head_logps",
+    "generalized_jsd",
     "greedy_from_hidden",
     "group_advantages",
     "grpo",

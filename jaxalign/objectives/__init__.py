@@ -7,6 +7,7 @@ sum) and divides by the summed counts: the exact full-batch mean.
 """
 
 from jaxalign.objectives.common import Metric
+from jaxalign.objectives.distill import DistillParams
 from jaxalign.objectives.grpo import GRPOParams
 from jaxalign.objectives.ift import IFTParams, ift_lambda, mixed_embeddings
 from jaxalign.objectives.kto import KTOParams
@@ -20,6 +21,7 @@ __all__ = [
     "OBJECTIVES",
     "CPOParams",
     "DPOParams",
+    "DistillParams",
     "GRPOParams",
     "IFTParams",
     "KTOParams",

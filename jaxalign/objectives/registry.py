@@ -12,7 +12,7 @@ import difflib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jaxalign.objectives import grpo, ift, kto, mpo, preference, reward, sft
+from jaxalign.objectives import distill, grpo, ift, kto, mpo, preference, reward, sft
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +24,8 @@ class Objective:
     (chosen + rejected; KTO: completion + mismatched; MPO: both languages); ``uses_reference``: needs a frozen
     reference (unless its params say ``reference_free``); ``console``: the headline metrics, shown on the log
     line and drawn in ``curves.png``; ``packing``: supports ``data.packing`` (``packing_note`` says why not);
-    ``head``: ``lm`` (a causal LM) or ``reward`` (a scalar score head, ``LlamaConfig.num_labels = 1``)."""
+    ``head``: ``lm`` (a causal LM) or ``reward`` (a scalar score head, ``LlamaConfig.num_labels = 1``);
+    ``uses_teacher``: a frozen teacher model (``params.teacher``) is loaded and passed in the reference slot."""
 
     fn: Callable
     params: type
@@ -35,6 +36,7 @@ class Objective:
     packing: bool = True
     packing_note: str = ""
     head: str = "lm"
+    uses_teacher: bool = False
 
 
 PAIR_METRICS = ("loss", "rewards/margins", "rewards/accuracies")
@@ -54,6 +56,8 @@ OBJECTIVES: dict[str, Objective] = {
     "reward": Objective(reward.reward, reward.RewardParams, "preference", 2,
                         console=PAIR_METRICS, packing=False,
                         packing_note="it scores each sequence at its last token", head="reward"),
+    "distill": Objective(distill.distill, distill.DistillParams, "sft", 1, console=("loss", "nll/token"),
+                         uses_teacher=True),
     "mpo": Objective(mpo.mpo, mpo.MPOParams, "mpo", 4, uses_reference=True,
                      console=("loss", "mpo/gap_loss", "rewards/accuracies"), packing=False,
                      packing_note="its preservation term pools hidden states per sequence"),

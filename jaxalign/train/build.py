@@ -53,6 +53,7 @@ from jaxalign.train.step import (
     make_optimizer,
     make_train_step,
     state_shardings,
+    teacher_parts,
 )
 
 # Shapes of the large presets, so a plan needs no downloaded weights (values from the models' config.json).
@@ -198,6 +199,29 @@ class Engine:
         return use_rules(self.rules)
 
 
+def load_teacher(spec: RunSpec, hf_tokenizer, student: LlamaConfig, mesh: Mesh, rules: Rules, log):
+    """(graphdef, weights, their shardings) of ``objective.params.teacher``, held once on ``mesh``: a Hugging Face
+    folder, .gguf, Hub id or jaxalign run folder, in the student's dtype. It must use the student's tokenizer."""
+    path = spec.objective.params.teacher
+    with jax.set_mesh(mesh), use_rules(rules):
+        if (Path(path) / "model_config.json").exists():  # a jaxalign run: restored, then laid out on the mesh
+            model, own, _ = restore_model(path)
+        else:
+            model, own = load_model(dataclasses.replace(spec.model, path=path, tokenizer=""), seed=spec.seed,
+                                    mesh=mesh, rules=rules)
+    config = model.config
+    same = own.get_vocab() == hf_tokenizer.get_vocab() if own is not None else config.vocab_size == student.vocab_size
+    if not same or config.vocab_size != student.vocab_size:
+        raise ValueError(f"objective.params.teacher={path!r}: the teacher's tokenizer or vocabulary "
+                         f"({config.vocab_size} rows) differs from the student's ({student.vocab_size}); distillation "
+                         "compares next-token distributions, so both need one tokenizer")
+    graphdef, weights = nnx.split(model)
+    shardings = nnx.to_pure_dict(param_shardings(abstract_model(config), mesh, rules))
+    weights = jax.device_put(nnx.to_pure_dict(weights), shardings)
+    log(f"teacher {path}: {config.num_params():,} parameters, {config.num_layers} layers x {config.hidden_size}")
+    return graphdef, weights, shardings
+
+
 def run_mesh(spec: RunSpec, devices=None) -> Mesh:
     return make_mesh(spec.mesh.shape, devices=devices)
 
@@ -232,6 +256,11 @@ def build(spec: RunSpec, mesh: Mesh, *, log=lambda message: None) -> Engine:
         shardings = state_shardings(abstract_model(config), tx, mesh, rules)
         frozen = jax.tree.map(jnp.copy, params) if reference_model else None  # the initial policy, held once
         frozen_shardings = shardings.params if frozen is not None else None
+    if objective.uses_teacher:
+        teacher_graphdef, teacher, teacher_shardings = load_teacher(spec, hf_tokenizer, config, mesh, rules, log)
+        parts = teacher_parts(parts, teacher_graphdef)
+        frozen = {"policy": frozen, "teacher": teacher}
+        frozen_shardings = {"policy": frozen_shardings, "teacher": teacher_shardings}
     with jax.set_mesh(mesh):
         state = init_state(trained, tx, spec.seed, shardings)
     tokenizer = Tokenizer(hf_tokenizer, spec.data.tokenize_config())

@@ -45,7 +45,7 @@ HELP: dict[str, str] = {
     "data.row_length": "with packing: tokens per packed row",
     "data.max_pairs_per_row": "with packing of preference data: pairs per row at most",
     "data.shuffle": "shuffle the training order every epoch",
-    "objective.name": "sft, ift, dpo, simpo, orpo, cpo, kto, reward, mpo or grpo (docs/objectives.md)",
+    "objective.name": "sft, ift, dpo, simpo, orpo, cpo, kto, reward, distill, mpo or grpo (docs/objectives.md)",
     "reference.kind": "DPO/MPO reference: model (held once; LoRA: the base) or precomputed (cached log-probs)",
     "reference.cache_dir": "where precomputed reference log-probs are cached (default: workdir/reference_cache)",
     "lora.enabled": "train LoRA adapters only; the base stays frozen (docs/lora.md)",

@@ -197,6 +197,15 @@ class ObjectiveSpec:
             return cls(name, None), [f"objective.params: {err}"]
 
     def problems(self, run: RunSpec, num_devices: int) -> list[str]:
+        entry = self.entry
+        if entry is not None and entry.uses_teacher and self.params is not None:
+            teacher = self.params.teacher
+            if not teacher:
+                return [f"objective.params.teacher is empty: {self.name} needs a teacher model (a Hugging Face folder, "
+                        ".gguf, Hub id or jaxalign run folder) with the student's tokenizer"]
+            if not Path(teacher).exists() and not is_repo_id(teacher):
+                return [f"objective.params.teacher={teacher!r} does not exist (give a local folder, .gguf, run "
+                        "folder, or a Hugging Face Hub id ORG/NAME[@REVISION])"]
         if self.name == "kto" and getattr(self.params, "uses_kl", False) and \
                 run.train.batch_size // max(run.train.grad_accum, 1) < 2:
             return [f"objective kto needs at least 2 examples per micro-batch (train.batch_size="

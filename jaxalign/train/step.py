@@ -65,6 +65,13 @@ def lora_parts(graphdef, base_graphdef, *, with_reference: bool) -> ModelParts:
                       reference=lambda base: nnx.merge(base_graphdef, base) if with_reference else None)
 
 
+def teacher_parts(parts: ModelParts, teacher_graphdef) -> ModelParts:
+    """Distillation: the frozen tree is ``{"policy": <what parts takes>, "teacher": the teacher's weights}``; the
+    policy is built as ``parts`` builds it, the teacher (its own graphdef: any size) takes the reference slot."""
+    return ModelParts(policy=lambda params, frozen, rng: parts.policy(params, frozen["policy"], rng),
+                      reference=lambda frozen: nnx.merge(teacher_graphdef, frozen["teacher"]))
+
+
 def learning_rate_schedule(optim, total_steps: int) -> optax.Schedule:
     """Warm-up (linear from 0) then ``constant`` | ``linear`` decay | ``cosine`` decay to ``lr·min_lr_ratio``."""
     total = max(int(total_steps), 1)
