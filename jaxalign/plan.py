@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 
 from jaxalign.losses.logps import HEAD_BLOCK_ROWS
-from jaxalign.models import LlamaConfig, abstract_model, lora
+from jaxalign.models import LlamaConfig, abstract_model, lora, param_shardings
 from jaxalign.objectives.common import resolve_chunk_size
 from jaxalign.parallel.mesh import mesh_sizes
 from jaxalign.sampling.generate import cache_bucket
@@ -80,6 +80,20 @@ class Plan:
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
+def teacher_config(path: str, spec: RunSpec) -> LlamaConfig | None:
+    """The teacher's architecture from its config.json, GGUF header or run folder (None if it is not here)."""
+    from pathlib import Path
+
+    from jaxalign.train.build import read_model_config
+
+    if (Path(path) / "model_config.json").exists():
+        return read_model_config(Path(path)).replace(dtype=spec.model.dtype, param_dtype=spec.model.dtype)
+    try:
+        return model_config(dataclasses.replace(spec.model, path=path))
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def _device_bytes(shapes, shardings) -> float:
@@ -204,6 +218,18 @@ def plan(config: ml_collections.ConfigDict, num_devices: int, *, backend: str | 
         notes.append(f"reference.kind=precomputed: no reference weights on the devices during training; computing "
                      f"the reference log-probs first (forward passes over the training micro-batches) peaks at "
                      f"about {ref_peak / GB:.3f} GB of activations per device, below the step's")
+    if objective.uses_teacher and hparams.teacher:
+        teacher = teacher_config(hparams.teacher, spec)
+        if teacher is None:
+            notes.append(f"teacher {hparams.teacher!r} not found here: its weights are not counted")
+        else:
+            teacher_params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
+                                          nnx.to_pure_dict(nnx.state(abstract_model(teacher), nnx.Param)))
+            out["teacher model"] = _device_bytes(teacher_params, nnx.to_pure_dict(
+                param_shardings(abstract_model(teacher), mesh, rules)))
+            logits = 2 * rows * length * arch.vocab_size * 4 // max(tensor, 1)
+            out["distillation logits (student + teacher)"] = logits
+            notes.append("distillation forms the student's and the teacher's [rows, T, V] float32 logits whole")
     if spec.objective.name == "ift":
         notes.append("IFT adds a no-gradient forward pass for the greedy tokens; its peak is below the training pass")
     if spec.objective.name == "grpo":

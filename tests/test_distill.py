@@ -61,30 +61,53 @@ def test_generalized_jsd_equals_trl(beta, temperature):
     assert float(losses.generalized_jsd(jnp.asarray(student), jnp.asarray(student), beta=beta).max()) < 1e-5
 
 
-def test_distill_trains_a_student_from_a_larger_teacher_and_checks_the_tokenizer(tmp_path):
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A larger teacher (2 layers x 64 against the students' 1 x 32), its run folder."""
+    from test_train import small_config
+
+    from jaxalign.train import train
+
+    folder = tmp_path_factory.mktemp("teacher")
+    train(small_config("sft", folder, "--config.model.shape.hidden_size=64", "--config.model.shape.num_layers=2",
+                       "--config.train.steps=12", "--config.optim.lr=3e-3"))
+    return folder
+
+
+def test_distill_trains_a_student_from_a_larger_teacher(teacher, tmp_path):
     from test_train import SMALL, small_config
 
     from jaxalign.train import ConfigError, load_config, train, validate
-    from jaxalign.train.export import export
 
-    teacher = ["--config.model.shape.hidden_size=64", "--config.model.shape.num_layers=2",
-               "--config.train.steps=12", "--config.optim.lr=3e-3"]
-    train(small_config("sft", tmp_path / "teacher", *teacher))
-    student = [f"--config.objective.params.teacher={tmp_path / 'teacher'}", "--config.train.steps=16",
+    student = [f"--config.objective.params.teacher={teacher}", "--config.train.steps=16",
                "--config.optim.lr=3e-3", "--config.eval.generate=0"]
     summary = train(small_config("distill", tmp_path / "student", *student))
     rows = [json.loads(r) for r in (tmp_path / "student" / "metrics.jsonl").read_text().splitlines()]
     losses_ = [r["loss"] for r in rows if r["split"] == "train"]
     assert losses_[-1] < losses_[0] and "teacher_nll/token" in rows[-1]
     assert summary["final_eval"]["loss"] < summary["initial_eval"]["loss"]
-    # an exported teacher (Hugging Face folder) serves too; LoRA students keep the teacher beside their base
-    export(tmp_path / "teacher", tmp_path / "teacher_hf")
-    train(small_config("distill", tmp_path / "lora", f"--config.objective.params.teacher={tmp_path / 'teacher_hf'}",
-                       "--config.train.steps=2", "--config.lora.enabled=True", "--config.eval.generate=0"))
+    from jaxalign.plan import plan
+
+    planned = plan(load_config("distill", [*SMALL, f"--config.objective.params.teacher={teacher}"]), 8)
+    student_bytes = planned.bytes["parameters"]
+    assert planned.bytes["teacher model"] > 2 * student_bytes  # 2 x 64 against 1 x 32
     with pytest.raises(ConfigError, match=r"objective\.params\.teacher is empty"):
         validate(load_config("distill", SMALL))
     with pytest.raises(ConfigError, match="does not exist"):
         validate(load_config("distill", [*SMALL, f"--config.objective.params.teacher={tmp_path / 'nope'}"]))
+
+
+@pytest.mark.slow
+def test_an_exported_teacher_serves_lora_students_and_another_tokenizer_is_refused(teacher, tmp_path):
+    from test_train import small_config
+
+    from jaxalign.train import train
+    from jaxalign.train.export import export
+
+    # an exported teacher (Hugging Face folder) serves too; LoRA students keep the teacher beside their base
+    export(teacher, tmp_path / "teacher_hf")
+    train(small_config("distill", tmp_path / "lora", f"--config.objective.params.teacher={tmp_path / 'teacher_hf'}",
+                       "--config.train.steps=2", "--config.lora.enabled=True", "--config.eval.generate=0"))
     other = ["--config.model.shape.vocab_size=300", "--config.train.steps=1"]
     train(small_config("sft", tmp_path / "other", *other))
     with pytest.raises(ValueError, match="differs from the student's"):

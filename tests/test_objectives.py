@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxalign import losses, objectives
 from jaxalign.models import create_model, load_hf
-from jaxalign.objectives import DPOParams, IFTParams, MPOParams, SFTParams, get_objective, make_params
+from jaxalign.objectives import DistillParams, DPOParams, IFTParams, MPOParams, SFTParams, get_objective, make_params
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -159,16 +159,18 @@ def test_jit_equals_eager(model):
 
 # ----------------------------------------------------------------------------------- accumulation
 @pytest.mark.parametrize(("name", "hparams"), [("sft", SFTParams()), ("sft", SFTParams(normalization="sequence")),
-                                               ("simpo", None), ("ift", IFTParams(gamma=0.9))])
-def test_micro_batches_sum_to_the_full_batch(model, name, hparams):
-    batch = sft_batch() if name in ("sft", "ift") else pair_batch()
+                                               ("simpo", None), ("ift", IFTParams(gamma=0.9)),
+                                               ("distill", DistillParams(beta=0.3))])
+def test_micro_batches_sum_to_the_full_batch(model, tiny_config, name, hparams):
+    batch = sft_batch() if name in ("sft", "ift", "distill") else pair_batch()
     batch["loss_mask" if name != "simpo" else "chosen_loss_mask"][0, :] = 0  # a row with nothing to train
+    extra = {"reference": create_model(tiny_config, seed=4)} if name == "distill" else {}  # the teacher
 
     def summed(m, part):
-        loss, metrics = run(name, m, part, hparams)
+        loss, metrics = run(name, m, part, hparams, **extra)
         return loss * metrics["loss"].count, metrics
 
-    full_loss, _ = run(name, model, batch, hparams)
+    full_loss, _ = run(name, model, batch, hparams, **extra)
     halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
     total, count, grads = 0.0, 0.0, None
     for part in halves:
@@ -176,7 +178,7 @@ def test_micro_batches_sum_to_the_full_batch(model, name, hparams):
         total, count = total + value, count + metrics["loss"].count
         grads = grad if grads is None else jax.tree.map(jnp.add, grads, grad)
     np.testing.assert_allclose(total / count, full_loss, rtol=1e-5)
-    full_grads = nnx.grad(lambda m: run(name, m, batch, hparams)[0])(model)
+    full_grads = nnx.grad(lambda m: run(name, m, batch, hparams, **extra)[0])(model)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(full_grads), strict=True):
         np.testing.assert_allclose(np.asarray(a) / float(count), b, rtol=1e-5, atol=1e-6)  # f32 sum order
 
