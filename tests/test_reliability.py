@@ -341,7 +341,7 @@ def test_too_many_skipped_updates_is_a_failed_run_not_done(monkeypatch, tmp_path
     (["--config.distributed.num_processes=2", "--config.distributed.process_id=2"], ["distributed.process_id=2"]),
     (["--config.reference.cache_dir=../../elsewhere"], ["reference.cache_dir='../../elsewhere' leaves the run"]),
     (["--config.objective.name=mpo", "--config.data.packing=True", "--config.data.row_length=128"],
-     ["data.packing is supported for sft, ift, dpo, simpo, orpo and cpo, not mpo"]),
+     ["data.packing is supported for sft, ift, dpo, simpo, orpo, cpo and distill, not mpo"]),
     (["--config.data.packing=True", "--config.data.row_length=100"],
      ["data.packing needs data.row_length >= 128 (a whole pair: 2 x data.max_length)"]),
     (["--config.optim.schedule=warmup_stable"], ["optim.schedule='warmup_stable'"]),
