@@ -79,7 +79,31 @@ def main(argv: list[str] | None = None) -> dict:
                "runs": {f"{arm}@lr={lr:g}@beta={beta}@seed={seed}": v for (arm, lr, beta, seed), v in runs.items()},
                "difference_points": {"mean": mean, "low": low, "high": high}}
     write(args.out, STUDY, command=command_line(STUDY, argv), results=results, markdown=markdown, started=started)
+    plot(results, f"{args.out}/{STUDY}.png")
     return results
+
+
+def plot(results: dict, path) -> None:
+    """Test accuracy of each arm at its chosen setting: the mean, and each seed as a dot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4, 3))
+    for i, arm in enumerate(ARMS):
+        lr, beta = results["chosen"][arm]
+        values = [100 * results["runs"][f"{arm}@lr={lr:g}@beta={beta}@seed={s}"]["test"] for s in results["seeds"]]
+        ax.bar(i, np.mean(values), color=["#999", "#3a7"][i], alpha=0.7)
+        ax.scatter([i] * len(values), values, color="k", s=12, zorder=3)
+    ax.axhline(100 * results["teacher_test_accuracy"], color="#c33", ls="--", lw=1, label="teacher")
+    ax.set_xticks(range(len(ARMS)), ["SFT", "distillation"])
+    ax.set_ylabel("held-out exact match %")
+    ax.set_title("Small student, same data and steps", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
