@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command_line, parser, pm, seeds_of, table, workdir_of, write
+from common import command_line, parser, pm, seeds_of, t_interval, table, workdir_of, write
 
 from jaxalign.data.sources import read_records
 from jaxalign.train import load_config, train
@@ -138,10 +138,10 @@ def main(argv: list[str] | None = None) -> dict:
                      pm([r["styles_sft_more"]["short_accuracy"] for r in runs], 100)])
     text = table(["arm", "held-out exact match, %", "short-style answers, %", "exact match among short, %"], rows)
     n = len(runs)
-    spread = np.std(gains, ddof=1) if n > 1 else 0.0
+    mean, low, _ = t_interval(np.asarray(gains) * 100)
     text += (f"\n\nGRPO gain over the SFT start: {pm(gains, 100)} points (mean ± sample std over {n} seeds; "
              f"per seed {', '.join(f'{100 * g:+.1f}' for g in gains)}; 95 % t-interval half-width "
-             f"{100 * spread * {1: 0, 2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78}.get(n, 2.0) / max(np.sqrt(n), 1):.1f}).\n")
+             f"{mean - low:.1f}).\n")
     results = {"runs": runs, "gains": gains}
     write(args.out, "grpo_toy", command=command_line("grpo_toy", argv), results=results, markdown=text,
           started=started)
