@@ -381,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Train with a config file; any field can be overridden with "
                                          "--config.FIELD=VALUE (e.g. --config.optim.lr=1e-5). Bundled configs: "
                                          "default, sft, ift, dpo, simpo, orpo, cpo, alphapo, kto, reward, distill, "
-                                         "mpo, grpo; add :PRESET for a model preset (tiny, smollm2, llama3_8b, "
+                                         "gkd, mpo, grpo; add :PRESET for a model preset (tiny, smollm2, llama3_8b, "
                                          "qwen25_7b), e.g. --config dpo:smollm2. "
                                          "Interrupting (SIGTERM / Ctrl-C) saves a checkpoint; rerunning resumes.")
     tr.add_argument("--config", default="default", help="config name or .py path, optionally :PRESET")

@@ -113,3 +113,140 @@ def test_an_exported_teacher_serves_lora_students_and_another_tokenizer_is_refus
     with pytest.raises(ValueError, match="differs from the student's"):
         train(small_config("distill", tmp_path / "bad", f"--config.objective.params.teacher={tmp_path / 'other'}",
                            "--config.train.steps=1"))
+
+
+# ------------------------------------------------------------------------------------ GKD: sampled completions
+def trl_on_policy_layout(prompts, prompt_mask, completion_ids, eos_token_id):
+    """TRL 1.16 ``GKDTrainer.generate_on_policy_outputs`` after ``model.generate``: (input_ids, attention_mask,
+    labels) from the left-padded prompts and the generated columns (pad after EOS)."""
+    generated_tokens = torch.cat([prompts, completion_ids], dim=1)
+    prompt_length = prompts.shape[1]
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_id))
+    eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long)
+    eos_idx[is_eos.any(dim=1)] = is_eos.int().argmax(dim=1)[is_eos.any(dim=1)]
+    sequence_indices = torch.arange(is_eos.size(1)).expand(is_eos.size(0), -1)
+    completion_mask = (sequence_indices <= eos_idx.unsqueeze(1)).int()
+    new_attention_mask = torch.ones_like(generated_tokens)
+    new_attention_mask[:, prompt_length:] = completion_mask
+    new_attention_mask[:, :prompt_length] = prompt_mask
+    new_labels = generated_tokens.clone()
+    new_labels[new_attention_mask == 0] = -100
+    new_labels[:, :prompt_length] = -100
+    return generated_tokens, new_attention_mask, new_labels
+
+
+def test_sampled_rows_equal_trls_on_policy_layout():
+    """The rows GKD trains on: the prompt's real tokens, then the completion up to and including its first EOS,
+    the loss on the completion only: TRL's tokens, attention and labels with the padding squeezed out."""
+    from jaxalign.sampling.generate import left_pad
+    from jaxalign.train.onpolicy import completion_rows, prompts_of
+
+    # a data batch: prompts of 2-6 tokens; row 1 is a two-turn conversation (its last turn is the completion)
+    batch = {"tokens": np.array([[5, 6, 7, 20, 21, 0, 0, 0, 0], [8, 9, 22, 23, 10, 11, 24, 25, 26],
+                                 [12, 13, 27, 0, 0, 0, 0, 0, 0]], np.int32),
+             "attention_mask": np.array([[1] * 5 + [0] * 4, [1] * 9, [1] * 3 + [0] * 6], np.int32),
+             "loss_mask": np.array([[0, 0, 0, 1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0, 1, 1, 1],
+                                    [0, 0, 1, 0, 0, 0, 0, 0, 0]], np.int32)}
+    prompts = prompts_of(batch)
+    assert [p.tolist() for p in prompts] == [[5, 6, 7], [8, 9, 22, 23, 10, 11], [12, 13]]
+    ids, mask = left_pad([p.tolist() for p in prompts], 0, 8)
+    eos = 3
+    # the sampler's output: EOS at column 2 (then padding), no EOS (the budget ran out), EOS first
+    completion = np.array([[30, 31, eos, 0, 0, 0, 0, 0, 0, 0, 0, 0], list(range(10, 22)),
+                           [eos] + [0] * 11], np.int32)
+    lengths = np.array([3, 12, 1])  # up to and including EOS (``Generation.lengths``)
+    rows = completion_rows(ids, mask, completion, lengths, pad_id=0, max_length=64, buckets=(16, 32, 64))
+    tokens, attention, labels = trl_on_policy_layout(torch.tensor(ids), torch.tensor(mask), torch.tensor(completion),
+                                                     [eos])
+    for i in range(3):
+        real = attention[i].numpy().astype(bool)
+        np.testing.assert_array_equal(rows["tokens"][i][rows["attention_mask"][i] > 0], tokens[i].numpy()[real])
+        np.testing.assert_array_equal(rows["loss_mask"][i][rows["attention_mask"][i] > 0],
+                                      (labels[i].numpy() != -100)[real])
+    assert rows["tokens"].shape == (3, 32)  # the smallest bucket holding prompt + completion
+    cut = completion_rows(ids, mask, completion, lengths, pad_id=0, max_length=5, buckets=(4, 5))
+    assert cut["attention_mask"].sum(1).max() == 5  # cut to data.max_length
+    with pytest.raises(ValueError, match="row 0 of the batch has no prompt tokens"):
+        prompts_of({**batch, "loss_mask": np.ones_like(batch["loss_mask"])})
+
+
+def test_gkd_step_sources_follow_lmbda_and_seq_kd():
+    """TRL's choice per step: the student with probability lmbda, else the teacher with seq_kd, else the data;
+    a function of (seed, step) only."""
+    from jaxalign.objectives import DistillParams
+    from jaxalign.train.onpolicy import completion_source
+
+    def shares(**kw):
+        hp = DistillParams(teacher="t", **kw)
+        drawn = [completion_source(hp, 3, step) for step in range(4000)]
+        return {s: drawn.count(s) / len(drawn) for s in ("student", "teacher", "data")}
+
+    assert shares(lmbda=1.0) == {"student": 1.0, "teacher": 0.0, "data": 0.0}
+    assert shares(seq_kd=True) == {"student": 0.0, "teacher": 1.0, "data": 0.0}
+    mixed = shares(lmbda=0.3, seq_kd=True)
+    assert abs(mixed["student"] - 0.3) < 0.03 and mixed["data"] == 0.0
+    assert abs(shares(lmbda=0.5)["student"] - 0.5) < 0.03
+    hp = DistillParams(teacher="t", lmbda=0.5)
+    assert [completion_source(hp, 3, s) for s in range(50)] == [completion_source(hp, 3, s) for s in range(50)]
+    with pytest.raises(ValueError, match=r"lmbda=1.5 must be in \[0, 1\]"):
+        DistillParams(lmbda=1.5)
+
+
+GKD = ["--config.objective.params.lmbda=0.5", "--config.objective.params.seq_kd=True",
+       "--config.objective.params.max_new_tokens=6", "--config.objective.params.temperature=0.9",
+       "--config.optim.lr=3e-3", "--config.optim.schedule=constant", "--config.optim.warmup_steps=1",
+       "--config.eval.generate=0", "--config.train.log_every=2"]  # a run cut at step 2 has the same schedule
+
+
+def test_gkd_samples_from_the_student_and_the_teacher_and_resumes_bit_for_bit(teacher, tmp_path):
+    from test_distributed import params_of
+    from test_train import SMALL, small_config
+
+    from jaxalign.cli import main
+    from jaxalign.data.batching import bucket_length
+    from jaxalign.sampling import sample
+    from jaxalign.sampling.generate import left_pad
+    from jaxalign.train import ConfigError, train, validate
+    from jaxalign.train.build import build, run_mesh
+    from jaxalign.train.inputs import load_inputs
+    from jaxalign.train.onpolicy import GKDBatches, completion_source, prompts_of, sampling_seed
+
+    flags = [f"--config.objective.params.teacher={teacher}", *GKD]
+    # the uninterrupted run through the CLI with the bundled gkd config; the other cut at step 2 and resumed
+    assert main(["train", "--config", "gkd", *SMALL, f"--config.workdir={tmp_path / 'whole'}", *flags,
+                 "--config.train.steps=4"]) in (0, None)
+    train(small_config("gkd", tmp_path / "resumed", *flags, "--config.train.steps=2"))
+    train(small_config("gkd", tmp_path / "resumed", *flags, "--config.train.steps=4"))
+
+    (step_a, a), (step_b, b) = params_of(tmp_path / "whole"), params_of(tmp_path / "resumed")
+    assert step_a == step_b == 4
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+    rows = [json.loads(r) for r in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["split"] == "train"]
+    assert all(r["gkd/student_steps"] + r["gkd/teacher_steps"] == 1.0 for r in train_rows)
+    assert "completion/mean_length" in train_rows[-1]
+
+    # the sampled rows come from the model the step's source names, with the step's key
+    spec = validate(small_config("gkd", tmp_path / "probe", *flags))
+    engine = build(spec, run_mesh(spec))
+    batches = GKDBatches(engine, spec)
+    (tmp_path / "probe").mkdir()
+    data = next(load_inputs(spec, engine, tmp_path / "probe", lambda m: None).pipeline)
+    steps = {completion_source(spec.objective.params, spec.seed, s): s for s in range(8)}
+    prompts = [p.tolist() for p in prompts_of(data)]
+    ids, mask = left_pad(prompts, batches.pad, bucket_length(max(map(len, prompts)), batches.buckets))
+    with jax.set_mesh(engine.mesh), engine.rules_scope():
+        for source, model in (("student", engine.policy()), ("teacher", engine.parts.reference(engine.frozen))):
+            step = steps[source]
+            made = batches(data, step)
+            expected = sample(model, ids, prompt_mask=mask, max_new_tokens=6, temperature=0.9, eos_id=batches.eos,
+                              pad_id=batches.pad, seed=sampling_seed(spec.seed, step))
+            for i, prompt in enumerate(prompts_of(data)):
+                n = int(np.asarray(expected.lengths)[i])
+                row = made["tokens"][i][made["attention_mask"][i] > 0]
+                np.testing.assert_array_equal(row, np.concatenate([prompt, np.asarray(expected.tokens)[i, :n]]))
+                assert made["loss_mask"][i].sum() == n
+    with pytest.raises(ConfigError, match=r"data\.packing cannot serve objective\.params\.lmbda"):
+        validate(small_config("distill", tmp_path / "never", *flags, "--config.data.packing=True",
+                              "--config.data.row_length=96"))

@@ -31,8 +31,9 @@ def test_bundled_configs_load_and_validate():
     for name in ("default", "sft", "ift", "dpo", "simpo", "orpo", "cpo", "alphapo", "kto", "reward", "mpo", "grpo"):
         config = load_config(name)
         validate(config, num_devices=8)
-    with pytest.raises(ConfigError, match=r"objective\.params\.teacher is empty"):  # distill: the user names one
-        validate(load_config("distill"), num_devices=8)
+    for name in ("distill", "gkd"):  # the user names the teacher
+        with pytest.raises(ConfigError, match=r"objective\.params\.teacher is empty"):
+            validate(load_config(name), num_devices=8)
     assert load_config("default").objective.name == "ift"
 
 

@@ -166,7 +166,8 @@ def real_tokens(batch: dict[str, np.ndarray]) -> int:
 class Prefetcher:
     """Batches from ``pipeline`` prepared ``depth`` steps ahead on a host thread: each item is (device batch,
     real tokens, the pipeline's position after that batch), so a checkpoint records the position of the last
-    batch the step consumed, not of the ones waiting. Errors in the thread are raised in the caller."""
+    batch the step consumed, not of the ones waiting. ``sharding=None``: the host batch, not placed (for a caller
+    that changes it first). Errors in the thread are raised in the caller."""
 
     def __init__(self, pipeline: DataPipeline, sharding, depth: int = 2):
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
@@ -179,7 +180,8 @@ class Prefetcher:
         while not self._done.is_set():
             try:
                 batch = next(pipeline)
-                item: Any = (device_batch(sharding, batch), real_tokens(batch), pipeline.state())
+                placed = batch if sharding is None else device_batch(sharding, batch)
+                item: Any = (placed, real_tokens(batch), pipeline.state())
             except BaseException as err:  # handed to the consumer, which raises it
                 item = err
             while not self._done.is_set():

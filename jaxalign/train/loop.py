@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import ml_collections
 
 from jaxalign.parallel import distributed
-from jaxalign.train import checkpoints, writers
+from jaxalign.train import checkpoints, onpolicy, writers
 from jaxalign.train.build import Engine, build, run_mesh
 from jaxalign.train.evaluate import evaluate, reduce
-from jaxalign.train.inputs import Inputs, Prefetcher, load_inputs
+from jaxalign.train.inputs import Inputs, Prefetcher, device_batch, load_inputs, real_tokens
 from jaxalign.train.spec import RunSpec, effective_config, validate
 from jaxalign.train.writers import MetricWriter
 
@@ -138,8 +138,8 @@ class Skips:
                 f"as trained (checkpoint and metrics in {self.run.workdir}). Lower optim.lr or check the data.")
 
 
-def log_window(run: Run, window: dict, tokens: int, started: float, progress) -> None:
-    values = reduce(window)
+def log_window(run: Run, window: dict, tokens: int, started: float, progress, extra: dict | None = None) -> None:
+    values = {**reduce(window), **(extra or {})}
     elapsed = time.time() - started
     values["tokens_per_s"] = tokens / max(elapsed, 1e-9) * jax.process_count()
     run.writer.write(run.step, values, "train")
@@ -154,11 +154,17 @@ def run_steps(run: Run, stop, skips: Skips) -> str | None:
     progress = writers.progress_bar(cfg.steps, run.step) if run.spec.logging.progress else None
     step_fn, frozen = engine.train_step, (() if engine.frozen is None else (engine.frozen,))
     window, counts, tokens, started = {}, [], 0, time.time()
-    prefetch = Prefetcher(run.inputs.pipeline, engine.batch_sharding)
+    sampled = onpolicy.GKDBatches(engine, run.spec) if onpolicy.enabled(engine.hparams) else None
+    prefetch = Prefetcher(run.inputs.pipeline, engine.batch_sharding if sampled is None else None)
     every_step = cfg.nan_policy == "halt" or cfg.max_skip_streak == 1
+    if sampled is not None:
+        log(sampled.describe())
     try:
         while run.step < cfg.steps:
             batch, batch_tokens, run.data_state = next(prefetch)
+            if sampled is not None:  # GKD: completions drawn by the current student or the teacher
+                batch = sampled(batch, run.step)
+                batch, batch_tokens = device_batch(engine.batch_sharding, batch), real_tokens(batch)
             engine.state, metrics = step_fn(engine.state, batch, *frozen)
             run.step += 1
             window = metrics if not window else jax.tree.map(jnp.add, window, metrics)
@@ -168,7 +174,7 @@ def run_steps(run: Run, stop, skips: Skips) -> str | None:
                 skips.report(counts)
                 counts = []
             if run.step % cfg.log_every == 0 or run.step == cfg.steps:
-                log_window(run, window, tokens, started, progress)
+                log_window(run, window, tokens, started, progress, sampled.stats() if sampled else None)
                 window, tokens, started = {}, 0, time.time()
             if progress is not None:
                 progress.update(1)

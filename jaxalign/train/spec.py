@@ -159,6 +159,9 @@ class DataSpec:
             supported = f"{', '.join(most)} and {last}" if most else last
             problems.append(f"data.packing is supported for {supported}, not {run.objective.name} "
                             f"({entry.packing_note})")
+        elif self.packing and getattr(run.objective.params, "samples_completions", False):
+            problems.append("data.packing cannot serve objective.params.lmbda > 0 or seq_kd=True: the sampled "
+                            "completions replace each row's own; set data.packing=False")
         elif entry is not None and self.packing:
             rows = entry.rows_per_example
             needed = self.max_length * rows
