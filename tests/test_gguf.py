@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxalign.models import CheckpointError, create_model, load_gguf, load_hf, save_hf
 from jaxalign.models.gguf import unpermute_qk
@@ -19,8 +19,14 @@ TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] 
 def train_bpe(pre: str) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-                               if pre == "smollm" else byte_level)
+    if pre == "qwen2":  # as Qwen2's / Qwen3's tokenizer.json spells it
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+                                       r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    else:
+        tokenizer.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                            byte_level]) if pre == "smollm" else byte_level)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -85,12 +91,16 @@ def _merges(tokenizer: Tokenizer) -> list[tuple[str, str]]:
     return [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
 
 
-@pytest.mark.parametrize(("arch", "pre"), [("llama", "smollm"), ("qwen2", "gpt2")])
+@pytest.mark.parametrize(("arch", "pre"), [("llama", "smollm"), ("qwen2", "gpt2"), ("qwen3", "qwen2")])
 def test_gguf_round_trip(arch, pre, tmp_path, tiny_config):
     reference_tokenizer = train_bpe(pre)
     config = tiny_config.replace(vocab_size=reference_tokenizer.get_vocab_size(), architecture=arch,
-                                 qkv_bias=arch == "qwen2", tie_word_embeddings=arch == "llama")
+                                 qkv_bias=arch == "qwen2", tie_word_embeddings=arch == "llama",
+                                 qk_norm=arch == "qwen3")
     model = create_model(config, seed=7)
+    if arch == "qwen3":
+        for layer in model.layers:
+            layer.self_attn.k_norm.weight[...] = 1 + 0.3 * jnp.cos(jnp.arange(config.head_dim))
     if arch == "qwen2":
         for layer in model.layers:
             layer.self_attn.k_bias[...] = 0.3 * jnp.ones_like(layer.self_attn.k_bias[...])

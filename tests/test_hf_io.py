@@ -51,19 +51,23 @@ def test_config_errors_name_the_problem():
         config_from_hf({**LEGACY, "hidden_act": "gelu"})
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_save_hf_round_trip_through_transformers(arch, tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                         num_kv_heads=2, architecture=arch, qkv_bias=arch == "qwen2",
+                         num_kv_heads=2, architecture=arch, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
                          tie_word_embeddings=arch == "qwen2", bos_token_id=1, eos_token_id=2,
                          rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 16) if arch == "llama" else RopeScaling())
     model = create_model(config, seed=4)
     if arch == "qwen2":  # non-zero biases, so the round trip checks them
         for layer in model.layers:
             layer.self_attn.q_bias[...] = 0.1 * jnp.ones_like(layer.self_attn.q_bias[...])
+    if arch == "qwen3":  # q/k norm weights away from 1, different per head dimension
+        for i, layer in enumerate(model.layers):
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight[...] = 1 + 0.2 * jnp.sin(jnp.arange(norm.weight.shape[0]) + i)
     save_hf(model, tmp_path)
     reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), local_files_only=True).eval()
     tokens = np.random.RandomState(0).randint(0, 128, (2, 10))

@@ -26,7 +26,7 @@ def padded_batch(side: str, vocab: int = 128, seed: int = 0):
     return tokens, mask
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_logit_parity_with_transformers(arch, side, tmp_path):
     from torch_reference import make_reference, torch_logits
@@ -46,11 +46,15 @@ def test_config_features_reach_the_model(tmp_path):
     make_reference("mistral", tmp_path / "mistral")
     make_reference("qwen2", tmp_path / "qwen2")
     make_reference("llama", tmp_path / "llama")
-    mistral, qwen, llama = (load_hf(tmp_path / n).config for n in ("mistral", "qwen2", "llama"))
+    make_reference("qwen3", tmp_path / "qwen3")
+    mistral, qwen, llama, qwen3 = (load_hf(tmp_path / n).config for n in ("mistral", "qwen2", "llama", "qwen3"))
     assert mistral.sliding_window == 5 and mistral.head_dim == 24
     assert mistral.rope_scaling.rope_type == "linear"
     assert qwen.qkv_bias and not qwen.o_bias and qwen.tie_word_embeddings
     assert llama.rope_scaling.rope_type == "llama3" and llama.num_kv_heads == 2
+    assert qwen3.qk_norm and qwen3.qkv_bias and qwen3.o_bias and qwen3.head_dim == 24
+    assert qwen3.sliding_window == 5 and qwen3.sliding_window_layers == (False, True)
+    assert not (qwen.qk_norm or llama.qk_norm or mistral.qk_norm)
 
 
 @pytest.fixture(scope="module")

@@ -93,6 +93,15 @@ def test_plan_picks_the_log_prob_path_of_the_target_backend():
         "activations (estimate)"]
 
 
+def test_the_qwen3_8b_preset_has_the_released_model_s_shape():
+    from jaxalign.models import LlamaConfig
+    from jaxalign.train.build import ARCHITECTURES
+
+    config = LlamaConfig(**ARCHITECTURES["qwen3_8b"])
+    assert config.num_params() == 8_190_735_360  # from its config.json: 36 layers x 192.9M + 2 x 622.3M tables
+    assert config.qk_norm and config.head_dim == 128
+
+
 def test_cli_plans_an_8b_dpo_run_without_weights(capsys):
     assert main(["plan", "--config", "launch/configs/llama3_8b_dpo_v5p.py", "--devices", "32", "--hardware",
                  "v5p"]) == 0

@@ -15,6 +15,9 @@ ARCH_CONFIGS = {
                     rope_scaling={"rope_type": "linear", "factor": 2.0}),
     # q/k/v biases, tied embeddings
     "qwen2": dict(cls="Qwen2Config", tie_word_embeddings=True),
+    # per-head q/k RMSNorm, attention_bias on q, k, v and o, explicit head_dim, the second layer sliding
+    "qwen3": dict(cls="Qwen3Config", head_dim=24, attention_bias=True, use_sliding_window=True, sliding_window=5,
+                  max_window_layers=1),
 }
 
 

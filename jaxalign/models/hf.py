@@ -34,7 +34,8 @@ from jaxalign.models.factory import abstract_model, build_model
 from jaxalign.models.llama import LlamaForCausalLM
 from jaxalign.parallel.mesh import Rules
 
-_HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "qwen3": "Qwen3ForCausalLM"}
 _ARCH_FROM_CLASS = {cls: arch for arch, cls in _HF_CLASS.items()}
 _ARCH_FROM_CLASS.update({cls.replace("ForCausalLM", "ForSequenceClassification"): arch
                          for arch, cls in _HF_CLASS.items()})
@@ -82,7 +83,7 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype
         window, window_layers = 0, ()
         if arch == "mistral" and hf.get("sliding_window"):
             window = int(hf["sliding_window"])
-        if arch == "qwen2" and hf.get("sliding_window") and hf.get("use_sliding_window", False):
+        if arch in ("qwen2", "qwen3") and hf.get("sliding_window") and hf.get("use_sliding_window", False):
             window = int(hf["sliding_window"])
             first = int(hf.get("max_window_layers", num_layers))
             window_layers = tuple(i >= first for i in range(num_layers))
@@ -103,7 +104,8 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or attention_bias,
-            o_bias=arch == "llama" and attention_bias,
+            o_bias=arch in ("llama", "qwen3") and attention_bias,
+            qk_norm=arch == "qwen3",
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_window=window,
             sliding_window_layers=window_layers,
@@ -150,8 +152,8 @@ def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
         raise CheckpointError("qwen2 checkpoints need q/k/v biases and no o_proj bias")
     if arch == "mistral" and (config.qkv_bias or config.o_bias or config.mlp_bias):
         raise CheckpointError("mistral checkpoints have no biases; save as architecture='llama'")
-    if arch == "llama" and config.qkv_bias != config.o_bias:
-        raise CheckpointError("llama's attention_bias puts biases on q, k, v and o alike; "
+    if arch in ("llama", "qwen3") and config.qkv_bias != config.o_bias:
+        raise CheckpointError(f"{arch}'s attention_bias puts biases on q, k, v and o alike; "
                               "save q/k/v-only biases as architecture='qwen2'")
     rope_scaling = None
     if config.rope_scaling.rope_type == "linear":
@@ -189,9 +191,11 @@ def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
         out.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     if arch == "llama":
         out.update(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias)
+    if arch == "qwen3":
+        out["attention_bias"] = config.qkv_bias
     if arch == "mistral":
         out["sliding_window"] = config.sliding_window or None
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         out["use_sliding_window"] = bool(config.sliding_window)
         out["sliding_window"] = config.sliding_window or None
         out["max_window_layers"] = config.num_layers
@@ -213,6 +217,7 @@ _LAYOUT = (
     (r"layers\.(\d+)\.self_attn\.o_proj", "model.layers.{0}.self_attn.o_proj.weight", "linear:2"),
     (r"layers\.(\d+)\.self_attn\.([qkv])_bias", "model.layers.{0}.self_attn.{1}_proj.bias", "flat"),
     (r"layers\.(\d+)\.self_attn\.o_bias", "model.layers.{0}.self_attn.o_proj.bias", "copy"),
+    (r"layers\.(\d+)\.self_attn\.([qk])_norm\.weight", "model.layers.{0}.self_attn.{1}_norm.weight", "copy"),
     (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj", "model.layers.{0}.mlp.{1}_proj.weight", "linear:1"),
     (r"layers\.(\d+)\.mlp\.(gate|up|down)_bias", "model.layers.{0}.mlp.{1}_proj.bias", "copy"),
 )
@@ -386,7 +391,7 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
 def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, mesh: Mesh | None = None,
             rules: Rules | None = None, config_overrides: Mapping[str, Any] | None = None,
             seed: int = 0) -> LlamaForCausalLM:
-    """Loads a Hugging Face Llama / Mistral / Qwen2 folder (``config.json`` + safetensors).
+    """Loads a Hugging Face Llama / Mistral / Qwen2 / Qwen3 folder (``config.json`` + safetensors).
 
     ``dtype`` is the compute dtype and, unless ``param_dtype`` is given, the parameter dtype. With
     ``mesh``, each tensor is read once and placed directly into its ``NamedSharding``.

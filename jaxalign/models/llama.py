@@ -1,7 +1,8 @@
-"""Flax NNX decoder for the Llama family (Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM2), one config for all.
+"""Flax NNX decoder for the Llama family (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 dense, SmolLM2), one config for all.
 
 RMSNorm, rotary embeddings (default / linear / Llama-3 scaling), grouped-query attention, SwiGLU MLP,
-optional q/k/v (and o) biases, tied or untied embeddings, configurable head_dim, optional sliding window.
+optional q/k/v (and o) biases, per-head q/k RMSNorm before RoPE (Qwen3), tied or untied embeddings, configurable
+head_dim, optional sliding window.
 
 The forward pass takes token ids or input embeddings, an attention mask (left or right padding),
 optional positions, optional segment ids (packing: attention stays inside a segment and positions
@@ -134,12 +135,17 @@ class Attention(nnx.Module):
             self.v_bias = _param(rngs, (kv, hd), ("kv_heads", "head_dim"), pd, init="zeros")
         if config.o_bias:
             self.o_bias = _param(rngs, (d,), ("embed",), pd, init="zeros")
+        if config.qk_norm:  # Qwen3: one RMSNorm over head_dim shared by every head, before RoPE
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps, pd, rngs)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps, pd, rngs)
 
     def _project(self, x, name: str) -> jax.Array:
         kernel = getattr(self, f"{name}_proj")[...].astype(x.dtype)
         y = with_adapter(self, f"{name}_proj", x, dense(x, kernel))
         if self.config.qkv_bias:
             y = y + getattr(self, f"{name}_bias")[...].astype(x.dtype)
+        if self.config.qk_norm and name != "v":
+            y = getattr(self, f"{name}_norm")(y)
         return y
 
     def __call__(self, x, cos, sin, mask, cache_kv=None, cache_index=None):

@@ -63,6 +63,9 @@ ARCHITECTURES: dict[str, dict] = {
     "qwen25_7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
                       num_kv_heads=4, rope_theta=1000000.0, qkv_bias=True, architecture="qwen2",
                       max_position_embeddings=32768),
+    "qwen3_8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+                     num_kv_heads=8, head_dim=128, rope_theta=1000000.0, qk_norm=True, architecture="qwen3",
+                     max_position_embeddings=40960),
 }
 
 
