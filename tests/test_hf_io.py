@@ -51,7 +51,7 @@ def test_config_errors_name_the_problem():
         config_from_hf({**LEGACY, "hidden_act": "gelu"})
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_save_hf_round_trip_through_transformers(arch, tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
@@ -69,6 +69,10 @@ def test_save_hf_round_trip_through_transformers(arch, tmp_path):
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 norm.weight[...] = 1 + 0.2 * jnp.sin(jnp.arange(norm.weight.shape[0]) + i)
     save_hf(model, tmp_path)
+    names = set(load_file(str(tmp_path / "model.safetensors")))
+    if arch == "phi3":  # fused on disk as transformers' Phi3 keeps them
+        assert {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"} <= names
+        assert not any(n.endswith(("q_proj.weight", "gate_proj.weight")) for n in names)
     reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), local_files_only=True).eval()
     tokens = np.random.RandomState(0).randint(0, 128, (2, 10))
     mask = np.ones_like(tokens)
@@ -118,6 +122,29 @@ def test_mismatched_shape_names_tensor_and_shapes(tmp_path, tiny_config):
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight has shape \(97, 64\) but "
                                               r"the config needs \(96, 64\)"):
         load_hf(tmp_path)
+
+
+def test_fused_phi3_tensors_are_checked_whole_and_refused_as_peft_targets(tmp_path, tiny_config):
+    from jaxalign.models import lora
+
+    config = tiny_config.replace(architecture="phi3")
+    model = create_model(config, seed=2)
+    save_hf(model, tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    qkv = tensors["model.layers.1.self_attn.qkv_proj.weight"]
+    heads = config.num_heads + 2 * config.num_kv_heads
+    assert qkv.shape == (heads * config.head_dim, config.hidden_size)
+    np.testing.assert_array_equal(load_hf(tmp_path).layers[1].self_attn.v_proj[...],
+                                  model.layers[1].self_attn.v_proj[...])
+    tensors["model.layers.1.self_attn.qkv_proj.weight"] = qkv[:-2]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    rows = heads * config.head_dim
+    with pytest.raises(CheckpointError, match=rf"qkv_proj\.weight has shape \({rows - 2}, 64\) but the config "
+                                              rf"needs \({rows}, 64\)"):
+        load_hf(tmp_path)
+    adapters = lora.LoRAConfig(rank=2, targets=("q_proj", "o_proj"))
+    with pytest.raises(ValueError, match="phi3 checkpoints fuse q_proj into one module"):
+        lora.save_peft(lora.with_adapters(model, adapters), adapters, tmp_path / "peft")
 
 
 def test_missing_tensor_and_unsafe_formats(tmp_path, tiny_config):

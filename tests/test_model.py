@@ -26,7 +26,7 @@ def padded_batch(side: str, vocab: int = 128, seed: int = 0):
     return tokens, mask
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_logit_parity_with_transformers(arch, side, tmp_path):
     from torch_reference import make_reference, torch_logits

@@ -18,6 +18,8 @@ ARCH_CONFIGS = {
     # per-head q/k RMSNorm, attention_bias on q, k, v and o, explicit head_dim, the second layer sliding
     "qwen3": dict(cls="Qwen3Config", head_dim=24, attention_bias=True, use_sliding_window=True, sliding_window=5,
                   max_window_layers=1),
+    # fused qkv_proj and gate_up_proj in the checkpoint, a sliding window over every layer
+    "phi3": dict(cls="Phi3Config", sliding_window=5),
 }
 
 

@@ -1,4 +1,4 @@
-"""Configuration of the Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 dense, SmolLM2).
+"""Configuration of the Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 dense, Phi-3, SmolLM2).
 
 The config is a frozen, hashable dataclass: it lives in the model's static graph definition, so
 ``jax.jit`` can cache on it. Dtypes are stored as strings for the same reason.
@@ -12,7 +12,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # "xla": explicit einsum attention (any mask, KV cache); "dot_product": jax.nn.dot_product_attention with
 # XLA's choice of kernel; "cudnn": its cuDNN flash-attention kernel (NVIDIA GPUs, bf16/fp16).

@@ -35,7 +35,7 @@ from jaxalign.models.llama import LlamaForCausalLM
 from jaxalign.parallel.mesh import Rules
 
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "qwen3": "Qwen3ForCausalLM"}
+             "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 _ARCH_FROM_CLASS = {cls: arch for arch, cls in _HF_CLASS.items()}
 _ARCH_FROM_CLASS.update({cls.replace("ForCausalLM", "ForSequenceClassification"): arch
                          for arch, cls in _HF_CLASS.items()})
@@ -71,6 +71,10 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype
         if rope_type not in ("default", "linear", "llama3"):
             raise CheckpointError(f"{source}: rope type {rope_type!r} is not supported "
                                   "(supported: default, linear, llama3)")
+        partial = float(rope_params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+        if partial != 1.0:
+            raise CheckpointError(f"{source}: partial_rotary_factor={partial} (RoPE on part of each head) is not "
+                                  "supported")
         rope = RopeScaling(
             rope_type=rope_type,
             factor=float(scaling.get("factor", 1.0)),
@@ -81,7 +85,7 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype
         num_layers = int(hf["num_hidden_layers"])
         hidden = int(hf["hidden_size"])
         window, window_layers = 0, ()
-        if arch == "mistral" and hf.get("sliding_window"):
+        if arch in ("mistral", "phi3") and hf.get("sliding_window"):
             window = int(hf["sliding_window"])
         if arch in ("qwen2", "qwen3") and hf.get("sliding_window") and hf.get("use_sliding_window", False):
             window = int(hf["sliding_window"])
@@ -150,8 +154,10 @@ def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
     arch = config.architecture
     if arch == "qwen2" and (not config.qkv_bias or config.o_bias):
         raise CheckpointError("qwen2 checkpoints need q/k/v biases and no o_proj bias")
-    if arch == "mistral" and (config.qkv_bias or config.o_bias or config.mlp_bias):
-        raise CheckpointError("mistral checkpoints have no biases; save as architecture='llama'")
+    if arch in ("mistral", "phi3") and (config.qkv_bias or config.o_bias or config.mlp_bias):
+        raise CheckpointError(f"{arch} checkpoints have no biases; save as architecture='llama'")
+    if arch == "phi3" and config.sliding_window and not all(config.sliding_window_layers):
+        raise CheckpointError("phi3's sliding window covers every layer; save per-layer windows as 'qwen2'")
     if arch in ("llama", "qwen3") and config.qkv_bias != config.o_bias:
         raise CheckpointError(f"{arch}'s attention_bias puts biases on q, k, v and o alike; "
                               "save q/k/v-only biases as architecture='qwen2'")
@@ -195,6 +201,9 @@ def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
         out["attention_bias"] = config.qkv_bias
     if arch == "mistral":
         out["sliding_window"] = config.sliding_window or None
+    if arch == "phi3":
+        out.update(sliding_window=config.sliding_window or None,
+                   original_max_position_embeddings=config.max_position_embeddings)
     if arch in ("qwen2", "qwen3"):
         out["use_sliding_window"] = bool(config.sliding_window)
         out["sliding_window"] = config.sliding_window or None
@@ -221,6 +230,35 @@ _LAYOUT = (
     (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj", "model.layers.{0}.mlp.{1}_proj.weight", "linear:1"),
     (r"layers\.(\d+)\.mlp\.(gate|up|down)_bias", "model.layers.{0}.mlp.{1}_proj.bias", "copy"),
 )
+
+
+# Phi-3 stores q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj`` (rows stacked in this order): split
+# on load, fused again on save
+_FUSED = {"phi3": {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}}
+
+
+def fused_rows(config: LlamaConfig, name: str) -> tuple[str, int, int] | None:
+    """For a per-projection HF name (``...self_attn.k_proj.weight``) of an architecture that fuses it, the fused
+    tensor's name and the part's rows ``[start, stop)``; None when the tensor is stored on its own."""
+    for fused, parts in _FUSED.get(config.architecture, {}).items():
+        owner = fused.split(".")[0]
+        match = re.fullmatch(rf"model\.layers\.(\d+)\.{owner}\.({'|'.join(parts)})\.weight", name)
+        if match:
+            hd, f = config.head_dim, config.intermediate_size
+            rows = {"q_proj": config.num_heads * hd, "k_proj": config.num_kv_heads * hd,
+                    "v_proj": config.num_kv_heads * hd, "gate_proj": f, "up_proj": f}
+            start = sum(rows[p] for p in parts[:parts.index(match.group(2))])
+            return f"model.layers.{match.group(1)}.{fused}.weight", start, start + rows[match.group(2)]
+    return None
+
+
+def fused_shape(config: LlamaConfig, fused_name: str) -> tuple[int, int]:
+    """The ``[rows, hidden]`` shape of a fused tensor (all its parts stacked)."""
+    parts = next(p for f, p in _FUSED[config.architecture].items() if fused_name.endswith(f"{f}.weight"))
+    layer = fused_name.split(".")[2]
+    owner = fused_name.split(".")[3]
+    stops = [fused_rows(config, f"model.layers.{layer}.{owner}.{p}.weight")[2] for p in parts]
+    return max(stops), config.hidden_size
 
 
 def hf_layout(path: tuple) -> tuple[str, str]:
@@ -363,13 +401,15 @@ def check_weights(files: Mapping[str, TensorEntry], config: LlamaConfig, folder:
     model's ``score`` head may be missing: a causal LM becoming a reward model gets a new one)."""
     for our_path, variable in nnx.to_flat_state(nnx.state(abstract_model(config), nnx.Param)):
         name, kind = hf_layout(our_path)
+        expected = hf_shape(kind, tuple(variable.shape))
+        if (fused := fused_rows(config, name)) is not None:
+            name, expected = fused[0], fused_shape(config, fused[0])
         entry = files.get(name)
         if entry is None and name == "score.weight":
             continue
         if entry is None:
             raise CheckpointError(f"{folder}: tensor {name} is missing from the checkpoint "
                                   f"(needed for parameter {'.'.join(map(str, our_path))})")
-        expected = hf_shape(kind, tuple(variable.shape))
         if entry.shape != expected:
             raise CheckpointError(f"{entry.file}: tensor {name} has shape {entry.shape} but the config needs "
                                   f"{expected}")
@@ -391,7 +431,7 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
 def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, mesh: Mesh | None = None,
             rules: Rules | None = None, config_overrides: Mapping[str, Any] | None = None,
             seed: int = 0) -> LlamaForCausalLM:
-    """Loads a Hugging Face Llama / Mistral / Qwen2 / Qwen3 folder (``config.json`` + safetensors).
+    """Loads a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Phi-3 folder (``config.json`` + safetensors).
 
     ``dtype`` is the compute dtype and, unless ``param_dtype`` is given, the parameter dtype. With
     ``mesh``, each tensor is read once and placed directly into its ``NamedSharding``.
@@ -416,11 +456,15 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, mes
         name, kind = hf_layout(our_path)
         if name == "score.weight" and name not in files:
             return new_score_head(shape, seed)
-        file = files[name].file
+        fused = fused_rows(config, name)
+        stored = name if fused is None else fused[0]
+        file = files[stored].file
         if file not in handles:
             handles[file] = safe_open(str(file), framework="numpy")
-        used.add(name)
-        return from_hf(kind, handles[file].get_tensor(name), shape)
+        used.add(stored)
+        if fused is None:
+            return from_hf(kind, handles[file].get_tensor(name), shape)
+        return from_hf(kind, handles[file].get_slice(stored)[fused[1]:fused[2]], shape)
 
     try:
         model = build_model(config, load_tensor, mesh=mesh, rules=rules)
@@ -458,9 +502,17 @@ def save_hf(model: LlamaForCausalLM, path: str | os.PathLike, *, max_shard_size:
     limit = _parse_size(max_shard_size)
     shards: list[dict[str, np.ndarray]] = [{}]
     shard_bytes = 0
+    pending: dict[str, dict[int, np.ndarray]] = {}  # fused tensors (Phi-3) until all their parts are read
     for our_path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, kind = hf_layout(our_path)
         tensor = to_hf(kind, np.asarray(jax.device_get(variable.get_value())))
+        if (fused := fused_rows(config, name)) is not None:
+            parts = pending.setdefault(fused[0], {})
+            parts[fused[1]] = tensor
+            if sum(len(p) for p in parts.values()) < fused_shape(config, fused[0])[0]:
+                continue
+            name, tensor = fused[0], np.concatenate([parts[start] for start in sorted(parts)])
+            del pending[name]
         if shards[-1] and shard_bytes + tensor.nbytes > limit:
             shards.append({})
             shard_bytes = 0

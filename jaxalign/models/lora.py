@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 
 from jaxalign.models.config import LlamaConfig
 from jaxalign.models.factory import abstract_model, eval_shape, logical_axes, param_shardings
-from jaxalign.models.hf import hf_layout, to_hf
+from jaxalign.models.hf import fused_rows, hf_layout, to_hf
 from jaxalign.models.llama import LlamaForCausalLM
 from jaxalign.parallel.mesh import Rules
 
@@ -230,6 +230,12 @@ def save_peft(model: LlamaForCausalLM, lora: LoRAConfig, path: str | os.PathLike
     """
     from safetensors.numpy import save_file
 
+    fused = sorted({name for _, owner, name, _ in _adapters_of(model)
+                    if fused_rows(model.config, f"model.layers.0.{owner}.{name}.weight")})
+    if fused:
+        raise ValueError(f"{model.config.architecture} checkpoints fuse {', '.join(fused)} into one module, which a "
+                         "PEFT adapter of separate q/k/v or gate/up adapters cannot target; export the merged model "
+                         "instead (without --adapter)")
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
