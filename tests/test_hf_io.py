@@ -49,6 +49,14 @@ def test_config_errors_name_the_problem():
         config_from_hf({**LEGACY, "rope_scaling": {"type": "yarn", "factor": 4.0}})
     with pytest.raises(CheckpointError, match="hidden_act='gelu'"):
         config_from_hf({**LEGACY, "hidden_act": "gelu"})
+    with pytest.raises(CheckpointError, match="Gemma 3 image-text checkpoint"):
+        config_from_hf({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+                        "text_config": {}})
+    with pytest.raises(CheckpointError, match=r"partial_rotary_factor=0\.75"):
+        config_from_hf({**LEGACY, "model_type": "phi3", "partial_rotary_factor": 0.75})
+    with pytest.raises(ValueError, match=r"attn_softcap=50\.0 .* needs attention_impl=.xla."):
+        config_from_hf({**LEGACY, "model_type": "gemma2", "attn_logit_softcapping": 50.0}).replace(
+            attention_impl="cudnn")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
@@ -84,6 +92,33 @@ def test_save_hf_round_trip_through_transformers(arch, tmp_path):
     reloaded = load_hf(tmp_path)
     assert reloaded.config == config
     np.testing.assert_array_equal(reloaded(jnp.asarray(tokens), jnp.asarray(mask)), got)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
+def test_gemma_checkpoints_save_back_to_what_transformers_loads(arch, tmp_path):
+    """A transformers Gemma folder loaded, saved by ``save_hf`` and loaded by transformers again: the same config
+    (caps, local RoPE base, layer types, query scale) and the same logits."""
+    torch = pytest.importorskip("torch")
+    from torch_reference import make_reference, torch_logits
+    from transformers import AutoModelForCausalLM
+
+    reference = make_reference(arch, tmp_path / "reference")
+    model = load_hf(tmp_path / "reference")
+    save_hf(model, tmp_path / "saved")
+    assert load_hf(tmp_path / "saved").config == model.config
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"), local_files_only=True).eval()
+    for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "final_logit_softcapping",
+                "attn_logit_softcapping", "rope_parameters"):
+        assert getattr(again.config, key, None) == getattr(reference.config, key, None), key
+    tokens = np.random.RandomState(2).randint(3, 128, (2, 11))
+    mask = np.ones_like(tokens)
+    mask[0, 8:] = 0
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), reference.state_dict().values(),
+                                                     strict=True))
+    expected = torch_logits(again, tokens, mask)
+    got = np.asarray(model(jnp.asarray(tokens), jnp.asarray(mask)))
+    assert np.abs(got - expected)[mask.astype(bool)].max() <= 1e-4
 
 
 def test_sharded_files_and_loading_into_a_mesh(tmp_path, mesh8, tiny_config):

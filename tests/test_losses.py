@@ -285,11 +285,14 @@ def test_jit_matches_eager(name):
         np.testing.assert_allclose(jit_metrics[key], eager_metrics[key], rtol=1e-6)
 
 
-@pytest.mark.parametrize(("tile", "block", "scale"), [(5, 4, 1.0), (13, 23, 1.0), (64, 1024, 1.0), (7, 6, 30.0)])
-def test_fused_head_matches_pytorch_log_softmax_and_autograd(tile, block, scale):
+@pytest.mark.parametrize(("tile", "block", "scale", "cap", "logit_scale"),
+                         [(5, 4, 1.0, 0.0, 1.0), (13, 23, 1.0, 0.0, 1.0), (64, 1024, 1.0, 0.0, 1.0),
+                          (7, 6, 30.0, 0.0, 1.0), (5, 4, 1.0, 2.0, 1.0), (13, 6, 3.0, 5.0, 1 / 0.7)])
+def test_fused_head_matches_pytorch_log_softmax_and_autograd(tile, block, scale, cap, logit_scale):
     """``fused_head_logps`` (valid rows gathered into blocks, vocabulary tiles, online log-sum-exp, hand-written
     backward) against PyTorch's log_softmax + gather and its autograd, with tiles and blocks that do not divide
-    V and N and (scale 30) logits in the hundreds, where a naive exp overflows. Invalid rows give 0 and no
+    V and N and (scale 30) logits in the hundreds, where a naive exp overflows; with Gemma 2's final soft-cap
+    (``cap · tanh(z / cap)``, at logits well past the cap) and a temperature after it. Invalid rows give 0 and no
     gradient."""
     torch = pytest.importorskip("torch")
     rng = np.random.RandomState(tile)
@@ -300,17 +303,23 @@ def test_fused_head_matches_pytorch_log_softmax_and_autograd(tile, block, scale)
     upstream = rng.randn(23).astype(np.float32)
 
     logps, vjp = jax.vjp(lambda h, k: losses.fused_head_logps(h, k, jnp.asarray(targets), jnp.asarray(valid), tile,
-                                                              block), jnp.asarray(hidden), jnp.asarray(kernel))
+                                                              block, cap, logit_scale),
+                         jnp.asarray(hidden), jnp.asarray(kernel))
     grad_hidden, grad_kernel = vjp(jnp.asarray(upstream))
 
     th, tk = torch.tensor(hidden, requires_grad=True), torch.tensor(kernel, requires_grad=True)
-    expected = torch.log_softmax(th @ tk, -1).gather(-1, torch.tensor(targets)[:, None])[:, 0]
+    logits = th @ tk
+    if cap:  # as transformers' Gemma2ForCausalLM: logits / cap, tanh, * cap
+        logits = torch.tanh(logits / cap) * cap
+    expected = torch.log_softmax(logits * logit_scale, -1).gather(-1, torch.tensor(targets)[:, None])[:, 0]
     expected = expected * torch.tensor(valid)
     expected.backward(torch.tensor(upstream))
     np.testing.assert_allclose(logps, expected.detach().numpy(), rtol=1e-5, atol=1e-4 * scale)
     np.testing.assert_allclose(grad_hidden, th.grad.numpy(), rtol=1e-4, atol=1e-4 * scale)
     np.testing.assert_allclose(grad_kernel, tk.grad.numpy(), rtol=1e-4, atol=1e-4 * scale)
     assert np.all(np.asarray(logps)[~valid] == 0) and np.all(np.asarray(grad_hidden)[~valid] == 0)
+    if cap:
+        assert np.abs((th.detach() @ tk.detach()).numpy()).max() > 2 * cap  # the cap bends the logits here
 
 
 def test_fused_head_in_bfloat16_follows_the_plain_path():
@@ -356,3 +365,19 @@ def test_fused_head_on_a_mesh_equals_one_device():
         on_mesh = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(sharded, kernel)
     for a, b in zip(jax.tree.leaves(on_mesh), jax.tree.leaves(single), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cap", [0.0, 1.5])
+def test_log_sum_sq_probs_tiled_equals_whole_with_and_without_a_soft_cap(cap):
+    """WPO's ``log Σ p²``: vocabulary tiles (7 columns, not dividing V) equal the whole logits, soft-capped alike."""
+    rng = np.random.RandomState(3)
+    hidden = jnp.asarray(rng.randn(2, 5, 8) * 2, jnp.float32)
+    kernel = jnp.asarray(rng.randn(8, 61), jnp.float32)
+    whole = losses.log_sum_sq_probs(hidden, kernel, softcap=cap)
+    np.testing.assert_allclose(losses.log_sum_sq_probs(hidden, kernel, chunk_size=7, softcap=cap), whole, rtol=1e-5,
+                               atol=1e-6)
+    logits = np.asarray(hidden[:, :-1] @ kernel, np.float64)
+    logits = cap * np.tanh(logits / cap) if cap else logits
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    np.testing.assert_allclose(whole[:, 1:], np.log((probs ** 2).sum(-1)), rtol=1e-5, atol=1e-6)

@@ -26,7 +26,7 @@ def padded_batch(side: str, vocab: int = 128, seed: int = 0):
     return tokens, mask
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"])
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_logit_parity_with_transformers(arch, side, tmp_path):
     from torch_reference import make_reference, torch_logits
@@ -55,6 +55,12 @@ def test_config_features_reach_the_model(tmp_path):
     assert qwen3.qk_norm and qwen3.qkv_bias and qwen3.o_bias and qwen3.head_dim == 24
     assert qwen3.sliding_window == 5 and qwen3.sliding_window_layers == (False, True)
     assert not (qwen.qk_norm or llama.qk_norm or mistral.qk_norm)
+    make_reference("gemma3_text", tmp_path / "gemma3")
+    gemma3 = load_hf(tmp_path / "gemma3").config
+    assert gemma3.qk_norm and gemma3.norm_offset == 1 and gemma3.embed_scale and gemma3.sandwich_norms
+    assert gemma3.local_rope_theta == 1e4 and gemma3.rope_theta == 1e6 and gemma3.rope_scaling.factor == 2.0
+    assert gemma3.sliding_window_layers == (True, False) and gemma3.hidden_act == "gelu_tanh"
+    assert gemma3.tie_word_embeddings and gemma3.query_pre_attn_scalar == 24
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +207,33 @@ def test_dot_product_attention_impl_matches(tiny_config):
     other = create_model(tiny_config.replace(attention_impl="dot_product"), seed=1)
     np.testing.assert_allclose(other(jnp.asarray(tokens), jnp.asarray(mask))[mask == 1],
                                np.asarray(reference)[mask == 1], atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_soft_capped_log_probs_fused_equal_plain(temperature, tmp_path):
+    """The trainer's log-probs of a Gemma 2 model (final soft-cap 3): the fused vocabulary-tiled head equals the
+    whole logits, values and gradients, also at an RL sampling temperature (which divides the capped logits)."""
+    from torch_reference import make_reference
+
+    from jaxalign.objectives.common import policy_token_logps
+
+    make_reference("gemma2", tmp_path)
+    model = load_hf(tmp_path)
+    tokens, mask = padded_batch("right")
+    loss_mask = mask.copy()
+    loss_mask[:, :3] = 0
+
+    def total(model, chunk):
+        logps = policy_token_logps(model, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(loss_mask),
+                                   chunk_size=chunk, temperature=temperature)
+        return logps.sum(), logps
+
+    (_, plain_logps), plain_grads = nnx.value_and_grad(total, has_aux=True)(model, 0)
+    (_, fused_logps), fused_grads = nnx.value_and_grad(total, has_aux=True)(model, 16)
+    np.testing.assert_allclose(fused_logps, plain_logps, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(fused_grads), jax.tree.leaves(plain_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    logits = np.asarray(model(jnp.asarray(tokens), jnp.asarray(mask)))
+    direct = jax.nn.log_softmax(logits[:, :-1] / temperature, -1)
+    expected = np.take_along_axis(np.asarray(direct), tokens[:, 1:, None], -1)[..., 0] * loss_mask[:, 1:]
+    np.testing.assert_allclose(plain_logps[:, 1:], expected, rtol=1e-5, atol=1e-5)

@@ -20,6 +20,17 @@ ARCH_CONFIGS = {
                   max_window_layers=1),
     # fused qkv_proj and gate_up_proj in the checkpoint, a sliding window over every layer
     "phi3": dict(cls="Phi3Config", sliding_window=5),
+    # (1 + w) norms, scaled embeddings, sandwich norms, GeGLU, query_pre_attn_scalar, alternating sliding layers,
+    # attention and final soft-capping (weights large enough that the caps bend the values)
+    "gemma2": dict(cls="Gemma2Config", head_dim=24, query_pre_attn_scalar=20, sliding_window=5,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0, initializer_range=0.3),
+    # Gemma 3 text: q/k norms, a local RoPE base on the sliding layers, linear scaling on the global ones
+    "gemma3_text": dict(cls="Gemma3TextConfig", model="Gemma3ForCausalLM", head_dim=24, query_pre_attn_scalar=24,
+                        sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                            "rope_theta": 1e6},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+                        initializer_range=0.1),
 }
 
 
@@ -27,12 +38,13 @@ def make_reference(arch: str, folder, seed: int = 0, **overrides):
     """Builds, randomises (biases too) and saves a tiny model; returns the eval-mode torch model."""
     kwargs = dict(ARCH_CONFIGS[arch])
     cls = getattr(transformers, kwargs.pop("cls"))
+    model_cls = kwargs.pop("model", cls.__name__.replace("Config", "ForCausalLM"))
     base = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     config = cls(**{**base, **kwargs, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = getattr(transformers, cls.__name__.replace("Config", "ForCausalLM"))(config).eval()
+    model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:

@@ -50,9 +50,15 @@ def _vocab_tiles(kernel: jax.Array, tile: int, dtype) -> tuple[jax.Array, jax.Ar
     return tiles, jnp.arange(n, dtype=jnp.int32) * tile
 
 
-def _tile_logits(hidden: jax.Array, kernel_tile: jax.Array, start: jax.Array, vocab: int) -> jax.Array:
-    """float32 logits of one vocabulary tile, ``-inf`` on the padding columns past ``vocab``."""
+def _tile_logits(hidden: jax.Array, kernel_tile: jax.Array, start: jax.Array, vocab: int,
+                 softcap: float = 0.0, logit_scale: float = 1.0) -> jax.Array:
+    """float32 logits of one vocabulary tile (``softcap · tanh(logits / softcap)`` with a cap, then times
+    ``logit_scale``), ``-inf`` on the padding columns past ``vocab``."""
     logits = jnp.dot(hidden, kernel_tile, preferred_element_type=jnp.float32)
+    if softcap:
+        logits = softcap * jnp.tanh(logits / softcap)
+    if logit_scale != 1.0:
+        logits = logits * logit_scale
     column = start + jnp.arange(kernel_tile.shape[1])
     return jnp.where(column < vocab, logits, -jnp.inf)
 
@@ -75,7 +81,8 @@ def _sorted_blocks(hidden: jax.Array, targets: jax.Array, valid: jax.Array, bloc
             (count + block - 1) // block)
 
 
-def _fused_forward(hidden, kernel, targets, valid, tile: int, block: int):
+def _fused_forward(hidden, kernel, targets, valid, tile: int, block: int, softcap: float = 0.0,
+                   logit_scale: float = 1.0):
     """``(logps [N], residuals)``: one pass over vocabulary tiles (``lax.scan``), and in each over the blocks of
     rows to compute (a ``fori_loop``), keeping a running max, sum and target logit per row (online log-sum-exp)."""
     vocab = kernel.shape[1]
@@ -93,7 +100,7 @@ def _fused_forward(hidden, kernel, targets, valid, tile: int, block: int):
             h = jax.lax.dynamic_slice_in_dim(rows_hidden, first, block)
             local = jax.lax.dynamic_slice_in_dim(rows_target, first, block) - start
             old_max = jax.lax.dynamic_slice_in_dim(running_max, first, block)
-            logits = _tile_logits(h, kernel_tile, start, vocab)
+            logits = _tile_logits(h, kernel_tile, start, vocab, softcap, logit_scale)
             new_max = jnp.maximum(old_max, logits.max(axis=-1))
             # exp as an elementwise pass and the row sum as a matrix-vector product: both vectorise on the
             # CPU, where a fused exp-and-sum reduction runs several times slower
@@ -124,11 +131,12 @@ def _unsort(sorted_rows: jax.Array, order: jax.Array, in_place: bool) -> jax.Arr
     return jnp.zeros((rows, *sorted_rows.shape[1:]), sorted_rows.dtype).at[order].set(sorted_rows[:rows])
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def fused_head_logps(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, valid: jax.Array, tile: int,
-                     block: int = HEAD_BLOCK_ROWS) -> jax.Array:
+                     block: int = HEAD_BLOCK_ROWS, softcap: float = 0.0, logit_scale: float = 1.0) -> jax.Array:
     """``log_softmax(hidden @ kernel)[row, targets[row]]`` as ``[N]`` float32 where ``valid``, else 0; never holds
-    ``[N, V]``.
+    ``[N, V]``. With ``softcap`` the logits are ``softcap · tanh(hidden @ kernel / softcap)`` (Gemma 2), then
+    times ``logit_scale`` (1 / a sampling temperature).
 
     The rows to compute are gathered to the front (only they are computed: for preference data the prompt
     positions are skipped) and cut into blocks of ``block`` rows; the vocabulary is walked in tiles of ``tile``
@@ -145,16 +153,20 @@ def fused_head_logps(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, v
       valid: ``[N]`` bool, the rows whose log-prob is wanted (no gradient flows from the others).
       tile: vocabulary columns per tile.
       block: rows per block.
+      softcap: the final-logit cap (0 = none).
+      logit_scale: a factor on the (capped) logits.
     """
-    return _fused_forward(hidden, kernel, targets, valid, tile, min(block, hidden.shape[0]))[0]
+    return _fused_forward(hidden, kernel, targets, valid, tile, min(block, hidden.shape[0]), softcap,
+                          logit_scale)[0]
 
 
-def _fused_head_fwd(hidden, kernel, targets, valid, tile, block):
-    logps, residuals = _fused_forward(hidden, kernel, targets, valid, tile, min(block, hidden.shape[0]))
+def _fused_head_fwd(hidden, kernel, targets, valid, tile, block, softcap, logit_scale):
+    logps, residuals = _fused_forward(hidden, kernel, targets, valid, tile, min(block, hidden.shape[0]), softcap,
+                                      logit_scale)
     return logps, (kernel, *residuals)
 
 
-def _fused_head_bwd(tile, block, residuals, grad):
+def _fused_head_bwd(tile, block, softcap, logit_scale, residuals, grad):
     kernel, order, rows_hidden, rows_target, lse, keep, n_blocks = residuals
     rows, vocab = order.shape[0], kernel.shape[1]
     block = min(block, rows)
@@ -170,11 +182,15 @@ def _fused_head_bwd(tile, block, residuals, grad):
             grad_hidden, grad_tile = carry
             first = b * block
             h = jax.lax.dynamic_slice_in_dim(rows_hidden, first, block)
-            logits = _tile_logits(h, kernel_tile, start, vocab)
+            logits = _tile_logits(h, kernel_tile, start, vocab, softcap, logit_scale)
             onehot = (start + jnp.arange(tile)) == jax.lax.dynamic_slice_in_dim(rows_target, first, block)[:, None]
             softmax = jnp.exp(logits - jax.lax.dynamic_slice_in_dim(lse, first, block)[:, None])
             g = jax.lax.dynamic_slice_in_dim(rows_grad, first, block)
-            dlogits = (g[:, None] * (onehot - softmax)).astype(h.dtype)
+            dlogits = g[:, None] * (onehot - softmax) * logit_scale
+            if softcap:  # through the cap: d(c·tanh(z/c))/dz = 1 − tanh²(z/c) (0 on the padding columns)
+                capped = logits / (logit_scale * softcap)
+                dlogits = dlogits * jnp.where(jnp.isfinite(logits), 1 - jnp.square(capped), 0.0)
+            dlogits = dlogits.astype(h.dtype)
             part = (jax.lax.dynamic_slice_in_dim(grad_hidden, first, block)
                     + jnp.dot(dlogits, kernel_tile.T, preferred_element_type=jnp.float32))
             grad_tile = grad_tile + jnp.dot(h.T, dlogits, preferred_element_type=jnp.float32)
@@ -193,7 +209,7 @@ fused_head_logps.defvjp(_fused_head_fwd, _fused_head_bwd)
 
 
 def token_logps_from_hidden(hidden: jax.Array, head_kernel: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
-                            *, chunk_size: int = 512) -> jax.Array:
+                            *, chunk_size: int = 512, softcap: float = 0.0, logit_scale: float = 1.0) -> jax.Array:
     """Memory-light, fused ``token_logps``: never builds the ``[B, T, V]`` logits, and (on one device) computes the
     head only at the positions whose next token is trained (``fused_head_logps``).
 
@@ -202,8 +218,10 @@ def token_logps_from_hidden(hidden: jax.Array, head_kernel: jax.Array, tokens: j
       head_kernel: ``[D, V]`` unembedding (the transposed embedding table for tied models).
       tokens, loss_mask: as in ``token_logps``.
       chunk_size: vocabulary columns per tile; at most ``HEAD_BLOCK_ROWS * chunk_size`` logits exist at once.
+      softcap: the model's final-logit soft-cap (``LlamaConfig.final_softcap``; 0 = none).
+      logit_scale: a factor on the capped logits (1 / temperature).
     Returns:
-      ``[B, T]`` float32, equal to ``token_logps(hidden @ head_kernel, tokens, loss_mask)``.
+      ``[B, T]`` float32, equal to ``token_logps(softcap(hidden @ head_kernel) * logit_scale, tokens, loss_mask)``.
     """
     batch, length, dim = hidden.shape
     targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1))).astype(jnp.int32)  # target of position t is token t+1
@@ -214,7 +232,7 @@ def token_logps_from_hidden(hidden: jax.Array, head_kernel: jax.Array, tokens: j
     # batch would move them across devices
     block = batch * length if not mesh.empty and mesh.size > 1 else HEAD_BLOCK_ROWS
     logps = fused_head_logps(hidden.reshape(-1, dim), head_kernel, targets.reshape(-1), valid.reshape(-1), tile,
-                             block)
+                             block, softcap, logit_scale)
     return jnp.pad(logps.reshape(batch, length)[:, : length - 1], ((0, 0), (1, 0)))
 
 
@@ -240,11 +258,12 @@ def greedy_from_hidden(hidden: jax.Array, head_kernel: jax.Array, *, chunk_size:
     return best.reshape(batch, length)
 
 
-def log_sum_sq_probs(hidden: jax.Array, head_kernel: jax.Array, *, chunk_size: int = 0) -> jax.Array:
+def log_sum_sq_probs(hidden: jax.Array, head_kernel: jax.Array, *, chunk_size: int = 0,
+                     softcap: float = 0.0) -> jax.Array:
     """``log Σ_v p(v | tokens[<t])²`` at token positions ``[B, T]`` float32 (position 0, which nothing predicts,
     is 0), gradient-free: WPO's per-token normaliser (Zhou et al., 2024, arXiv 2406.11827, eq. 2, as TRL 1.16
     computes it). ``chunk_size > 0`` walks the vocabulary in tiles of that many columns (never holding
-    ``[B, T, V]``); 0 forms the logits at once.
+    ``[B, T, V]``); 0 forms the logits at once. ``softcap``: the model's final-logit cap (0 = none).
 
     ``log Σ p² = logsumexp(2z) − 2·logsumexp(z)`` of the logits ``z``."""
     batch, length, dim = hidden.shape
@@ -253,11 +272,12 @@ def log_sum_sq_probs(hidden: jax.Array, head_kernel: jax.Array, *, chunk_size: i
     vocab = head_kernel.shape[1]
     if chunk_size <= 0:
         logits = jnp.dot(hidden, head_kernel.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        logits = softcap * jnp.tanh(logits / softcap) if softcap else logits
         value = jax.nn.logsumexp(2 * logits, axis=-1) - 2 * jax.nn.logsumexp(logits, axis=-1)
     else:
         def body(carry, xs):
             lse, lse2 = carry
-            logits = _tile_logits(hidden, *xs, vocab)
+            logits = _tile_logits(hidden, *xs, vocab, softcap)
             return (jnp.logaddexp(lse, jax.nn.logsumexp(logits, axis=-1)),
                     jnp.logaddexp(lse2, jax.nn.logsumexp(2 * logits, axis=-1))), None
 

@@ -1,4 +1,5 @@
-"""Configuration of the Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 dense, Phi-3, SmolLM2).
+"""Configuration of the Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 dense, Phi-3, Gemma 2,
+Gemma 3 text, SmolLM2).
 
 The config is a frozen, hashable dataclass: it lives in the model's static graph definition, so
 ``jax.jit`` can cache on it. Dtypes are stored as strings for the same reason.
@@ -12,7 +13,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU; GeGLU with the tanh GELU (Gemma)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # "xla": explicit einsum attention (any mask, KV cache); "dot_product": jax.nn.dot_product_attention with
 # XLA's choice of kernel; "cudnn": its cuDNN flash-attention kernel (NVIDIA GPUs, bf16/fp16).
@@ -46,7 +48,14 @@ class LlamaConfig:
     """Hyper-parameters of one decoder. Defaults describe the tiny test model (0.14M parameters).
 
     ``qkv_bias``/``o_bias``: Qwen2 has biases on q, k, v only; Llama's and Qwen3's ``attention_bias`` puts them on
-    all four. ``qk_norm``: an RMSNorm over ``head_dim`` on each query and key head before RoPE (Qwen3).
+    all four. ``qk_norm``: an RMSNorm over ``head_dim`` on each query and key head before RoPE (Qwen3, Gemma 3).
+
+    Gemma: ``norm_offset=1`` (RMSNorm scales by ``1 + weight``, in float32), ``embed_scale`` (embeddings times
+    ``sqrt(hidden_size)``), ``sandwich_norms`` (an RMSNorm on the attention and MLP outputs before each residual,
+    and ``pre_feedforward_layernorm`` before the MLP), ``hidden_act='gelu_tanh'``, ``query_pre_attn_scalar``
+    (attention scale ``query_pre_attn_scalar ** -0.5``; 0 = ``head_dim``), ``attn_softcap`` / ``final_softcap``
+    (``cap · tanh(x / cap)`` on attention scores / final logits; 0 = off) and ``local_rope_theta`` (Gemma 3: the
+    sliding-window layers' RoPE base, without ``rope_scaling``; 0 = every layer uses ``rope_theta``).
     ``sliding_window_layers``: per layer, whether the sliding window applies (Mistral: all; Qwen2: per
     ``layer_types``). ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype.
     """
@@ -67,6 +76,14 @@ class LlamaConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    norm_offset: float = 0.0
+    embed_scale: bool = False
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: int = 0
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    local_rope_theta: float = 0.0
     sliding_window: int = 0  # 0: none
     sliding_window_layers: tuple[bool, ...] = ()
     architecture: str = "llama"
@@ -108,9 +125,18 @@ class LlamaConfig:
         if self.sliding_window_layers and len(self.sliding_window_layers) != self.num_layers:
             problems.append(f"sliding_window_layers has {len(self.sliding_window_layers)} entries for "
                             f"{self.num_layers} layers")
-        if self.qk_norm != (self.architecture == "qwen3"):
-            problems.append(f"qk_norm={self.qk_norm} with architecture {self.architecture!r}: Qwen3 normalises q and k "
-                            "per head, the others do not")
+        if self.qk_norm != (self.architecture in ("qwen3", "gemma3_text")):
+            problems.append(f"qk_norm={self.qk_norm} with architecture {self.architecture!r}: Qwen3 and Gemma 3 "
+                            "normalise q and k per head, the others do not")
+        if self.hidden_act not in ACTIVATIONS:
+            problems.append(f"hidden_act={self.hidden_act!r} (supported: {ACTIVATIONS})")
+        for name in ("norm_offset", "query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rope_theta"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                problems.append(f"{name}={value!r} must be a finite number >= 0")
+        if self.attn_softcap and self.attention_impl != "xla":
+            problems.append(f"attn_softcap={self.attn_softcap} (attention-score soft-capping, Gemma 2) needs "
+                            f"attention_impl='xla', not {self.attention_impl!r}")
         if self.num_labels not in (0, 1):
             problems.append(f"num_labels={self.num_labels}: only 0 (causal LM) and 1 (a reward model's scalar head) "
                             "are supported")
@@ -140,13 +166,21 @@ class LlamaConfig:
         attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += self.qkv_bias * hd * (self.num_heads + 2 * self.num_kv_heads) + self.o_bias * d
         mlp = 3 * d * self.intermediate_size + self.mlp_bias * (2 * self.intermediate_size + d)
-        per_layer = attn + mlp + 2 * d + self.qk_norm * 2 * hd
+        per_layer = attn + mlp + (4 if self.sandwich_norms else 2) * d + self.qk_norm * 2 * hd
         head = d * self.num_labels if self.num_labels else 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.num_layers * per_layer + self.vocab_size * d + d + head
 
-    def inv_freq(self) -> np.ndarray:
-        """Rotary inverse frequencies ``[head_dim // 2]`` (float64), after ``rope_scaling``."""
-        inv = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
+    def local_rope(self, layer: int) -> bool:
+        """Whether ``layer`` takes the local RoPE (``local_rope_theta``, no scaling): Gemma 3's sliding layers."""
+        return bool(self.local_rope_theta) and self.layer_window(layer) > 0
+
+    def inv_freq(self, local: bool = False) -> np.ndarray:
+        """Rotary inverse frequencies ``[head_dim // 2]`` (float64), after ``rope_scaling``; ``local``: the
+        sliding layers' (``local_rope_theta``, unscaled)."""
+        theta = self.local_rope_theta if local else self.rope_theta
+        inv = 1.0 / (theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
+        if local:
+            return inv
         scaling = self.rope_scaling
         if scaling.rope_type == "linear":
             return inv / scaling.factor

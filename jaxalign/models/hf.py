@@ -35,7 +35,10 @@ from jaxalign.models.llama import LlamaForCausalLM
 from jaxalign.parallel.mesh import Rules
 
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+             "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+             "gemma3_text": "Gemma3ForCausalLM"}
+GEMMA = ("gemma2", "gemma3_text")
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _ARCH_FROM_CLASS = {cls: arch for arch, cls in _HF_CLASS.items()}
 _ARCH_FROM_CLASS.update({cls.replace("ForCausalLM", "ForSequenceClassification"): arch
                          for arch, cls in _HF_CLASS.items()})
@@ -53,6 +56,9 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype
     """``LlamaConfig`` from a Hugging Face ``config.json`` dict (old ``rope_theta``/``rope_scaling`` spelling
     or transformers v5's ``rope_parameters``)."""
     arch = hf.get("model_type")
+    if arch == "gemma3" or "Gemma3ForConditionalGeneration" in (hf.get("architectures") or []):
+        raise CheckpointError(f"{source}: a Gemma 3 image-text checkpoint (Gemma3ForConditionalGeneration); jaxalign "
+                              "loads the text-only Gemma3ForCausalLM (gemma3_text), e.g. gemma-3-1b")
     if arch not in SUPPORTED_ARCHITECTURES:
         classes = hf.get("architectures") or []
         arch = next((_ARCH_FROM_CLASS[c] for c in classes if c in _ARCH_FROM_CLASS), arch)
@@ -60,11 +66,18 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype
         raise CheckpointError(
             f"{source}: unsupported architecture model_type={hf.get('model_type')!r} "
             f"(architectures={hf.get('architectures')}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise CheckpointError(f"{source}: hidden_act={act!r} is not supported (only silu / SwiGLU)")
+    act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+    if act not in _ACTIVATIONS:
+        raise CheckpointError(f"{source}: hidden_act={act!r} is not supported (silu / SwiGLU, gelu_pytorch_tanh / "
+                              "GeGLU)")
     try:
         rope_params = dict(hf.get("rope_parameters") or {})
+        local_theta = 0.0
+        if "full_attention" in rope_params:  # transformers v5, Gemma 3: one entry per layer type
+            local_theta = float((rope_params.get("sliding_attention") or {}).get("rope_theta", 10000.0))
+            rope_params = dict(rope_params["full_attention"])
+        elif arch == "gemma3_text":
+            local_theta = float(hf.get("rope_local_base_freq", 10000.0))
         scaling = dict(hf.get("rope_scaling") or rope_params)
         rope_theta = float(rope_params.get("rope_theta", hf.get("rope_theta", 10000.0)))
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -87,6 +100,10 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype
         window, window_layers = 0, ()
         if arch in ("mistral", "phi3") and hf.get("sliding_window"):
             window = int(hf["sliding_window"])
+        if arch in GEMMA and hf.get("sliding_window"):  # local / global layers: layer_types, or the old pattern
+            window = int(hf["sliding_window"])
+            every = 2 if arch == "gemma2" else int(hf.get("sliding_window_pattern", 6))
+            window_layers = tuple(bool((i + 1) % every) for i in range(num_layers))
         if arch in ("qwen2", "qwen3") and hf.get("sliding_window") and hf.get("use_sliding_window", False):
             window = int(hf["sliding_window"])
             first = int(hf.get("max_window_layers", num_layers))
@@ -106,10 +123,16 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype
             rope_theta=rope_theta,
             rope_scaling=rope,
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in GEMMA)),
             qkv_bias=arch == "qwen2" or attention_bias,
-            o_bias=arch in ("llama", "qwen3") and attention_bias,
-            qk_norm=arch == "qwen3",
+            o_bias=arch in ("llama", "qwen3", *GEMMA) and attention_bias,
+            qk_norm=arch in ("qwen3", "gemma3_text"),
+            hidden_act=_ACTIVATIONS[act],
+            **(dict(norm_offset=1.0, embed_scale=True, sandwich_norms=True,
+                    query_pre_attn_scalar=int(hf.get("query_pre_attn_scalar") or 0),
+                    attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
+                    final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+                    local_rope_theta=local_theta) if arch in GEMMA else {}),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_window=window,
             sliding_window_layers=window_layers,
@@ -158,7 +181,16 @@ def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
         raise CheckpointError(f"{arch} checkpoints have no biases; save as architecture='llama'")
     if arch == "phi3" and config.sliding_window and not all(config.sliding_window_layers):
         raise CheckpointError("phi3's sliding window covers every layer; save per-layer windows as 'qwen2'")
-    if arch in ("llama", "qwen3") and config.qkv_bias != config.o_bias:
+    gemma = dict(norm_offset=1.0, embed_scale=True, sandwich_norms=True, hidden_act="gelu_tanh")
+    if (arch in GEMMA) != all(getattr(config, k) == v for k, v in gemma.items()):
+        raise CheckpointError(f"architecture {arch!r}: Gemma checkpoints (and only they) have (1 + weight) norms, "
+                              "scaled embeddings, sandwich norms and GeGLU")
+    if arch not in GEMMA and (config.attn_softcap or config.final_softcap or config.local_rope_theta
+                              or config.query_pre_attn_scalar):
+        raise CheckpointError(f"architecture {arch!r} has no soft-capping, local RoPE base or query_pre_attn_scalar")
+    if arch == "gemma2" and config.local_rope_theta:
+        raise CheckpointError("gemma2 uses one RoPE base for every layer; a local base is gemma3_text's")
+    if arch in ("llama", "qwen3", *GEMMA) and config.qkv_bias != config.o_bias:
         raise CheckpointError(f"{arch}'s attention_bias puts biases on q, k, v and o alike; "
                               "save q/k/v-only biases as architecture='qwen2'")
     rope_scaling = None
@@ -204,6 +236,16 @@ def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
     if arch == "phi3":
         out.update(sliding_window=config.sliding_window or None,
                    original_max_position_embeddings=config.max_position_embeddings)
+    if arch in GEMMA:
+        del out["hidden_act"]
+        out.update(hidden_activation="gelu_pytorch_tanh", attention_bias=config.qkv_bias,
+                   query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
+                   attn_logit_softcapping=config.attn_softcap or None,
+                   final_logit_softcapping=config.final_softcap or None, sliding_window=config.sliding_window or None,
+                   layer_types=["sliding_attention" if config.layer_window(i) else "full_attention"
+                                for i in range(config.num_layers)])
+    if arch == "gemma3_text":
+        out["rope_local_base_freq"] = config.local_rope_theta or config.rope_theta
     if arch in ("qwen2", "qwen3"):
         out["use_sliding_window"] = bool(config.sliding_window)
         out["sliding_window"] = config.sliding_window or None
@@ -221,7 +263,8 @@ _LAYOUT = (
     (r"norm\.weight", "model.norm.weight", "copy"),
     (r"lm_head", "lm_head.weight", "linear:1"),
     (r"score", "score.weight", "linear:1"),
-    (r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", "model.layers.{0}.{1}.weight", "copy"),
+    (r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|"
+     r"post_feedforward_layernorm)\.weight", "model.layers.{0}.{1}.weight", "copy"),
     (r"layers\.(\d+)\.self_attn\.([qkv])_proj", "model.layers.{0}.self_attn.{1}_proj.weight", "linear:1"),
     (r"layers\.(\d+)\.self_attn\.o_proj", "model.layers.{0}.self_attn.o_proj.weight", "linear:2"),
     (r"layers\.(\d+)\.self_attn\.([qkv])_bias", "model.layers.{0}.self_attn.{1}_proj.bias", "flat"),
@@ -431,7 +474,8 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
 def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, mesh: Mesh | None = None,
             rules: Rules | None = None, config_overrides: Mapping[str, Any] | None = None,
             seed: int = 0) -> LlamaForCausalLM:
-    """Loads a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Phi-3 folder (``config.json`` + safetensors).
+    """Loads a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Gemma 3 (text) folder
+    (``config.json`` + safetensors).
 
     ``dtype`` is the compute dtype and, unless ``param_dtype`` is given, the parameter dtype. With
     ``mesh``, each tensor is read once and placed directly into its ``NamedSharding``.

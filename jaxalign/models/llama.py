@@ -1,8 +1,10 @@
-"""Flax NNX decoder for the Llama family (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 dense, SmolLM2), one config for all.
+"""Flax NNX decoder for the Llama family (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 dense, Phi-3, Gemma 2, Gemma 3
+text, SmolLM2), one config for all.
 
-RMSNorm, rotary embeddings (default / linear / Llama-3 scaling), grouped-query attention, SwiGLU MLP,
-optional q/k/v (and o) biases, per-head q/k RMSNorm before RoPE (Qwen3), tied or untied embeddings, configurable
-head_dim, optional sliding window.
+RMSNorm (or Gemma's ``1 + weight`` form), rotary embeddings (default / linear / Llama-3 scaling; a local base for
+sliding layers), grouped-query attention, SwiGLU or GeGLU MLP, optional q/k/v (and o) biases, per-head q/k RMSNorm
+before RoPE (Qwen3, Gemma 3), Gemma's scaled embeddings, sandwich norms and soft-capped attention scores and
+logits, tied or untied embeddings, configurable head_dim, optional (per-layer) sliding window.
 
 The forward pass takes token ids or input embeddings, an attention mask (left or right padding),
 optional positions, optional segment ids (packing: attention stays inside a segment and positions
@@ -92,19 +94,34 @@ def with_adapter(module: nnx.Module, kernel: str, x: jax.Array, y: jax.Array) ->
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs):
-        self.eps = eps
-        self.weight = _param(rngs, (dim,), ("norm",), param_dtype, init="ones")
+    """``weight · x / rms(x)``; with ``offset`` (Gemma: 1) ``(offset + weight) · x / rms(x)`` with the weight
+    applied in float32 before the cast (Gemma's order) and initialised to zeros."""
+
+    def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs, offset: float = 0.0):
+        self.eps, self.offset = eps, offset
+        self.weight = _param(rngs, (dim,), ("norm",), param_dtype, init="zeros" if offset else "ones")
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (normed * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...].astype(x.dtype) * normed.astype(x.dtype)
 
 
-def rotary_tables(config: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos/sin ``[B, T, head_dim]`` (float32) for integer ``positions [B, T]``."""
-    inv_freq = jnp.asarray(config.inv_freq(), jnp.float32)
+def norm(config: LlamaConfig, dim: int, rngs: nnx.Rngs) -> RMSNorm:
+    return RMSNorm(dim, config.rms_norm_eps, config.param_dtype, rngs, offset=config.norm_offset)
+
+
+def softcap(x: jax.Array, cap: float) -> jax.Array:
+    """``cap · tanh(x / cap)`` (Gemma's soft-capping); ``x`` itself when ``cap`` is 0."""
+    return cap * jnp.tanh(x / cap) if cap else x
+
+
+def rotary_tables(config: LlamaConfig, positions: jax.Array, local: bool = False) -> tuple[jax.Array, jax.Array]:
+    """cos/sin ``[B, T, head_dim]`` (float32) for integer ``positions [B, T]`` (``local``: the sliding layers'
+    base, ``LlamaConfig.local_rope``)."""
+    inv_freq = jnp.asarray(config.inv_freq(local), jnp.float32)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
@@ -135,9 +152,10 @@ class Attention(nnx.Module):
             self.v_bias = _param(rngs, (kv, hd), ("kv_heads", "head_dim"), pd, init="zeros")
         if config.o_bias:
             self.o_bias = _param(rngs, (d,), ("embed",), pd, init="zeros")
-        if config.qk_norm:  # Qwen3: one RMSNorm over head_dim shared by every head, before RoPE
-            self.q_norm = RMSNorm(hd, config.rms_norm_eps, pd, rngs)
-            self.k_norm = RMSNorm(hd, config.rms_norm_eps, pd, rngs)
+        if config.qk_norm:  # Qwen3, Gemma 3: one RMSNorm over head_dim shared by every head, before RoPE
+            self.q_norm = norm(config, hd, rngs)
+            self.k_norm = norm(config, hd, rngs)
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
 
     def _project(self, x, name: str) -> jax.Array:
         kernel = getattr(self, f"{name}_proj")[...].astype(x.dtype)
@@ -164,7 +182,7 @@ class Attention(nnx.Module):
         batch, length = x.shape[:2]
         if cfg.attention_impl != "xla":
             out = jax.nn.dot_product_attention(
-                q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask=mask[:, None, :, :],
+                q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask=mask[:, None, :, :], scale=self.scale,
                 implementation=None if cfg.attention_impl == "dot_product" else cfg.attention_impl)
             return self._output(out), new_kv
         # grouped-query attention as batched 2-D products per (batch, kv head): the query heads of a group are
@@ -174,7 +192,7 @@ class Attention(nnx.Module):
         q = q.reshape(batch, length, cfg.num_kv_heads, groups, cfg.head_dim).transpose(0, 2, 3, 1, 4)
         q = q.reshape(batch, cfg.num_kv_heads, groups * length, cfg.head_dim)
         scores = jnp.einsum("bkqd,bksd->bkqs", q, k, preferred_element_type=jnp.float32)
-        scores = scores.reshape(batch, cfg.num_kv_heads, groups, length, slots) * (cfg.head_dim ** -0.5)
+        scores = softcap(scores.reshape(batch, cfg.num_kv_heads, groups, length, slots) * self.scale, cfg.attn_softcap)
         scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         probs = probs.reshape(batch, cfg.num_kv_heads, groups * length, slots)
@@ -208,21 +226,35 @@ class MLP(nnx.Module):
             y = with_adapter(self, f"{name}_proj", inputs, y)
             return y + getattr(self, f"{name}_bias")[...].astype(x.dtype) if self.config.mlp_bias else y
 
-        hidden = jax.nn.silu(project(x, "gate")) * project(x, "up")
+        gate = project(x, "gate")
+        activated = jax.nn.gelu(gate, approximate=True) if self.config.hidden_act == "gelu_tanh" else jax.nn.silu(gate)
+        hidden = activated * project(x, "up")
         return project(constrain(hidden, ("batch", "length", "mlp")), "down")
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm residual blocks. Llama's ``post_attention_layernorm`` is the MLP's input norm; with
+    ``sandwich_norms`` (Gemma) it normalises the attention output, and ``pre_feedforward_layernorm`` /
+    ``post_feedforward_layernorm`` surround the MLP (transformers' names in both cases)."""
+
     def __init__(self, config: LlamaConfig, layer: int, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.param_dtype, rngs)
+        self.sandwich = config.sandwich_norms
+        self.input_layernorm = norm(config, config.hidden_size, rngs)
         self.self_attn = Attention(config, config.layer_window(layer), rngs)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.param_dtype, rngs)
+        self.post_attention_layernorm = norm(config, config.hidden_size, rngs)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm(config, config.hidden_size, rngs)
+            self.post_feedforward_layernorm = norm(config, config.hidden_size, rngs)
         self.mlp = MLP(config, rngs)
 
     def __call__(self, x, cos, sin, mask, cache_kv=None, cache_index=None):
         attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_kv, cache_index)
-        x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(attn)
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        else:
+            x = x + attn
+            x = x + self.mlp(self.post_attention_layernorm(x))
         return constrain(x, ("batch", "length", "act_embed")), new_kv
 
 
@@ -282,7 +314,7 @@ class LlamaForCausalLM(nnx.Module):
         d, v, pd = config.hidden_size, config.vocab_size, config.param_dtype
         self.embed_tokens = _param(rngs, (v, d), ("vocab", "embed"), pd, d ** -0.5)
         self.layers = nnx.List([DecoderLayer(config, i, rngs) for i in range(config.num_layers)])
-        self.norm = RMSNorm(d, config.rms_norm_eps, pd, rngs)
+        self.norm = norm(config, d, rngs)
         if config.num_labels:  # a reward model: transformers' ``score`` (normal(0, 0.02) init), no LM head
             self.score = _param(rngs, (d, config.num_labels), ("embed", None), pd, 0.02)
         elif not config.tie_word_embeddings:
@@ -290,12 +322,21 @@ class LlamaForCausalLM(nnx.Module):
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """Token embeddings ``[B, T, D]`` in the compute dtype."""
-        table = self.embed_tokens[...]
-        return jnp.take(table, tokens, axis=0).astype(self.config.dtype)
+        return self.embed_rows(self.embed_tokens[...], tokens)
+
+    def embed_rows(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
+        """``tokens``' rows of ``table`` (this model's embedding table, or a copy of it, e.g. without gradient) as
+        the model embeds them: Gemma multiplies by ``sqrt(hidden_size)``, rounded to the table's dtype as
+        transformers does; in the compute dtype."""
+        embedded = jnp.take(table, tokens, axis=0)
+        if self.config.embed_scale:
+            embedded = embedded * jnp.asarray(self.config.hidden_size ** 0.5, table.dtype)
+        return embedded.astype(self.config.dtype)
 
     def unembed(self, hidden: jax.Array) -> jax.Array:
-        """Logits ``[B, T, V]`` from final (normed) hidden states."""
-        return constrain(dense(hidden, self.head_kernel().astype(hidden.dtype)), ("batch", "length", "vocab"))
+        """Logits ``[B, T, V]`` from final (normed) hidden states (soft-capped with ``final_softcap``)."""
+        logits = dense(hidden, self.head_kernel().astype(hidden.dtype))
+        return constrain(softcap(logits, self.config.final_softcap), ("batch", "length", "vocab"))
 
     def head_kernel(self) -> jax.Array:
         """The unembedding ``[D, V]`` (the transposed embedding table when tied)."""
@@ -353,7 +394,8 @@ class LlamaForCausalLM(nnx.Module):
             k_slots = jnp.broadcast_to(jnp.arange(cache.max_length, dtype=jnp.int32), (batch, cache.max_length))
             k_segments = None
 
-        cos, sin = rotary_tables(self.config, positions)
+        tables = {local: rotary_tables(self.config, positions, local)
+                  for local in {self.config.local_rope(i) for i in range(self.config.num_layers)}}
         x = constrain(x, ("batch", "length", "act_embed"))
         run_layer = _remat_layers[self.config.remat_policy] if self.config.remat and cache is None else _call_layer
         masks: dict[int, jax.Array] = {}
@@ -363,6 +405,7 @@ class LlamaForCausalLM(nnx.Module):
             if window not in masks:
                 masks[window] = _attention_mask(slots, k_slots, k_valid, segment_ids, k_segments, window)
             cache_kv = None if cache is None else (cache.keys[i], cache.values[i])
+            cos, sin = tables[self.config.local_rope(i)]
             x, new_kv = run_layer(layer, x, cos, sin, masks[window], cache_kv, None if cache is None else cache.index)
             if new_kv is not None:
                 new_keys.append(new_kv[0])

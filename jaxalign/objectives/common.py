@@ -116,6 +116,14 @@ def policy_token_logps(model, tokens: jax.Array, attention_mask: jax.Array, loss
     hidden, _ = model.hidden_states(None if inputs_embeds is not None else tokens, attention_mask,
                                     inputs_embeds=inputs_embeds, segment_ids=segment_ids)
     chunk_size = resolve_chunk_size(chunk_size, tokens.shape[0], tokens.shape[1], model.config.vocab_size)
+    cap = model.config.final_softcap
+    if cap:  # a soft-capped head is not linear: the temperature divides the capped logits, as TRL divides them
+        if chunk_size > 0:
+            logps = token_logps_from_hidden(hidden, model.head_kernel(), tokens, loss_mask, chunk_size=chunk_size,
+                                            softcap=cap, logit_scale=1.0 / temperature)
+        else:
+            logps = token_logps(model.unembed(hidden) / temperature, tokens, loss_mask)
+        return (logps, hidden) if return_hidden else logps
     scaled = hidden if temperature == 1.0 else hidden / jnp.asarray(temperature, hidden.dtype)  # a linear head
     if chunk_size > 0:
         logps = token_logps_from_hidden(scaled, model.head_kernel(), tokens, loss_mask, chunk_size=chunk_size)

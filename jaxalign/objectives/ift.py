@@ -96,8 +96,8 @@ def mixed_embeddings(model, tokens, attention_mask, loss_mask, lam, *, chunk_siz
             greedy = jnp.argmax(jax.lax.stop_gradient(model.unembed(hidden)), axis=-1)
     predicted = jnp.concatenate([tokens[:, :1], greedy[:, :-1].astype(tokens.dtype)], axis=1)
     dtype = model.config.dtype
-    true = jnp.take(true_table, tokens, axis=0).astype(dtype)
-    guess = jnp.take(table, predicted, axis=0).astype(dtype)
+    true = model.embed_rows(true_table, tokens)
+    guess = model.embed_rows(table, predicted)
     lam = jnp.asarray(lam, dtype)
     return jnp.where(loss_mask.astype(bool)[..., None], (1 - lam) * true + lam * guess, true)
 

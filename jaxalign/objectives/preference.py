@@ -135,7 +135,7 @@ def pair_sums(model, batch, objective: str, *, chunk_size: int = 0, scope: str =
         out["chosen"], out["rejected"] = out["chosen_raw"], out["rejected_raw"]
     if wpo:
         chunk = resolve_chunk_size(chunk_size, tokens.shape[0], tokens.shape[1], model.config.vocab_size)
-        normaliser = log_sum_sq_probs(hidden, model.head_kernel(), chunk_size=chunk)
+        normaliser = log_sum_sq_probs(hidden, model.head_kernel(), chunk_size=chunk, softcap=model.config.final_softcap)
         aligned = jnp.einsum("rl,rls->rs", jax.lax.stop_gradient(logps) - normaliser, member)
         out["chosen_wpo"], out["rejected_wpo"] = _pairs(jnp.exp(aligned / jnp.maximum(counts, 1.0)), packed)
     if whole_sequence:
