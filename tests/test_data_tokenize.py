@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from chat_tokenizers import FAMILIES, make_tokenizer
+from chat_tokenizers import FAMILIES, SENTENCEPIECE_FAMILIES, make_sentencepiece, make_tokenizer
 
 from jaxalign.data import RecordError, TokenizeConfig, Tokenizer, tokenize_record, validate_record
 
@@ -117,14 +117,47 @@ def test_truncation_policies():
         tokenize(hf, record, max_length=n_prompt)
 
 
-def test_sentencepiece_style_prefix_space_is_refused():
-    from tokenizers import normalizers
+@pytest.fixture(scope="module", params=list(SENTENCEPIECE_FAMILIES))
+def sentencepiece(request):
+    return request.param, make_sentencepiece(request.param)
 
-    hf = make_tokenizer("qwen2")
-    backend = hf.backend_tokenizer
-    backend.normalizer = normalizers.Prepend(" ")
-    with pytest.raises(ValueError, match="prefix space"):
-        Tokenizer(hf)
+
+def test_sentencepiece_conversations_are_the_whole_text_with_exact_masks(sentencepiece):
+    """Llama 2, Mistral-Instruct and Gemma templates on SentencePiece-style tokenizers (▁ words, byte fallback;
+    Llama 2 / Mistral add a prefix space): the tokens are the rendered conversation tokenised whole (decoding back
+    to it exactly), one leading BOS, the trained tokens exactly each assistant turn, the prompt's tokens exactly
+    what generation encodes."""
+    name, hf = sentencepiece
+    tok = Tokenizer(hf, TokenizeConfig(max_length=256))
+    assert tok.whole_text == SENTENCEPIECE_FAMILIES[name]["prefix_space"]
+    conversation = CONVERSATION[1:] if name != "llama2" else CONVERSATION  # Mistral and Gemma have no system turn
+    out = tokenize(hf, {"messages": conversation})
+    rendered = hf.apply_chat_template(conversation, tokenize=False)
+    assert out["tokens"].tolist() == hf(rendered, add_special_tokens=False)["input_ids"]
+    assert hf.decode(out["tokens"]) == rendered
+    assert out["tokens"][0] == hf.bos_token_id and out["tokens"][1] != hf.bos_token_id
+    spans = [hf.decode(span) for span in trained_spans(out["tokens"], out["loss_mask"])]
+    end = {"gemma": "<end_of_turn>"}.get(name, hf.eos_token)
+    answers = [m["content"] for m in conversation if m["role"] == "assistant"]
+    assert [span.strip() for span in spans] == [f"{a}{' ' if name == 'llama2' else ''}{end}" for a in answers]
+    single = tokenize(hf, {"prompt": conversation[:-1], "completion": conversation[-1:]})
+    n_prompt = int(np.argmax(single["loss_mask"]))
+    assert single["tokens"][:n_prompt].tolist() == tok.encode_prompt(conversation[:-1])
+    pair = tokenize(hf, {"prompt": [CONVERSATION[1]], "chosen": [CONVERSATION[2]],
+                         "rejected": [{"role": "assistant", "content": "Six."}]})
+    chosen = int(np.argmax(pair["chosen_loss_mask"]))
+    assert pair["chosen_tokens"][:chosen].tolist() == pair["rejected_tokens"][:chosen].tolist()
+    assert hf.decode(trained_spans(pair["rejected_tokens"], pair["rejected_loss_mask"])[0]).strip().startswith("Six.")
+
+
+def test_a_join_inside_a_token_is_an_error_naming_the_record():
+    hf = make_sentencepiece("llama2")
+    tok = Tokenizer(hf)
+    assert tok.encode_pieces(["What is", " 2 + 3?"]) == [tok.encode("What is"), tok.encode("What is 2 + 3?")[2:]]
+    with pytest.raises(ValueError, match="splits inside a token at character 3"):
+        tok.encode_pieces(["Hel", "lo there"])
+    with pytest.raises(RecordError, match=r"mem, record 0, .*splits inside a token"):
+        tokenize(hf, {"prompt": "Tell me a jo", "completion": "ke about JAX."})
 
 
 # A template using what Hub templates use: namespace, loop controls, tojson, raise_exception, strftime_now-free

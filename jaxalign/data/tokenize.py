@@ -3,8 +3,11 @@
 A conversation is rendered with the tokenizer's chat template (transformers renders inside Jinja's
 ``ImmutableSandboxedEnvironment``) turn by turn: the text up to each assistant turn (with the generation
 prompt) is the untrained prefix, the assistant's rendered content up to its end-of-turn token is trained, and
-trailing whitespace after it is not. Each piece is tokenised on its own, so the prompt/completion boundary is a
-token boundary — the completion tokens are exactly what the model emits after the generation prompt at inference.
+trailing whitespace after it is not. With a byte-level BPE each piece is tokenised on its own, so the
+prompt/completion boundary is a token boundary — the completion tokens are exactly what the model emits after the
+generation prompt at inference. Tokenizers whose encoding of a piece depends on what precedes it (SentencePiece
+ones that add a prefix space: Llama 2, Mistral v0.1) tokenise the whole text once and cut it where the tokens of
+each prefix end; a boundary that falls inside a token is an error naming the record, never a shifted mask.
 Every assistant turn of a multi-turn conversation is trained (as in the IFT code).
 
 BOS appears exactly once: the template's, or the tokenizer's own when the template has none; repeated leading
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -27,6 +31,9 @@ import numpy as np
 from jaxalign.data.schema import RecordError
 
 TRUNCATIONS = ("keep_end", "keep_start")
+# joins a chat template makes (word, space, newline, after a bracket): a tokenizer that encodes a piece differently
+# after them encodes whole texts (``Tokenizer.encode_pieces``)
+_JOIN_PROBES = (("x", " y"), ("x", "y"), ("a\n", "b"), ("]", " Hello"), ("a", " "))
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -82,14 +89,32 @@ class Tokenizer:
         self.eos_id = tokenizer.eos_token_id
         probe = tokenizer("a")["input_ids"]
         self.adds_bos = self.bos_id is not None and bool(probe) and probe[0] == self.bos_id
-        space = tokenizer.decode(tokenizer("a", add_special_tokens=False)["input_ids"])
-        if training and space.startswith(" "):
-            raise ValueError("this tokenizer adds a prefix space to every text it encodes (SentencePiece 'legacy' "
-                             "mode), so prompt and completion cannot be tokenised apart; use a byte-level BPE "
-                             "tokenizer.json")
+        # whether pieces tokenised apart equal the whole text's tokens (byte-level BPE) or not (a SentencePiece
+        # prefix space, or merges across the joins a chat template makes): then pieces are cut from the whole
+        self.whole_text = any(self.encode(a) + self.encode(b) != self.encode(a + b) for a, b in _JOIN_PROBES)
 
     def encode(self, text: str) -> list[int]:
         return self.hf(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def encode_pieces(self, pieces: Sequence[str]) -> list[list[int]]:
+        """Token ids of each of ``pieces``, consecutive parts of one text. Tokenised apart where that equals the
+        whole text's tokens at the joins (byte-level BPE); otherwise the whole text is tokenised once and cut
+        where the tokens of each prefix end, which must be a token boundary of the whole (else ``ValueError``)."""
+        if not self.whole_text:
+            return [self.encode(piece) for piece in pieces]
+        whole = self.encode("".join(pieces))
+        cuts, text = [0], ""
+        for piece in pieces[:-1]:
+            text += piece
+            prefix = self.encode(text)
+            if whole[:len(prefix)] != prefix:
+                raise ValueError(f"the text splits inside a token at character {len(text)} (after {text[-30:]!r}): "
+                                 "this tokenizer joins the prompt and the completion there, so the trained tokens "
+                                 "cannot be told apart; end the prompt (or the template's generation prompt) with a "
+                                 "separator the tokenizer keeps")
+            cuts.append(len(prefix))
+        cuts.append(len(whole))
+        return [whole[a:b] for a, b in itertools.pairwise(cuts)]
 
     def prompt_text(self, prompt: str | Sequence[dict], *, chat: bool = True, system: str | None = None) -> str:
         """The text a prompt becomes before tokenisation: with ``chat``, the messages (a string is one user turn;
@@ -270,8 +295,7 @@ def chat_segments(tok: Tokenizer, messages: Sequence[dict]) -> list[tuple[str, b
 def encode_segments(tok: Tokenizer, segments: Sequence[tuple[str, bool]]) -> tuple[list[int], list[int]]:
     ids: list[int] = []
     mask: list[int] = []
-    for text, trained in segments:
-        piece = tok.encode(text)
+    for piece, (_, trained) in zip(tok.encode_pieces([text for text, _ in segments]), segments, strict=True):
         ids += piece
         mask += [int(trained)] * len(piece)
     return ids, mask
@@ -314,7 +338,8 @@ def _append_eos(tok: Tokenizer, ids: list[int]) -> list[int]:
 def _prompt_and_completion(tok: Tokenizer, prompt, completion) -> tuple[list[int], list[int], list[int]]:
     """Token ids of (prompt, trained completion, untrained tail) for string or conversational data."""
     if isinstance(completion, str):
-        return tok.encode(prompt or ""), _append_eos(tok, tok.encode(completion)), []
+        prompt_ids, completion_ids = tok.encode_pieces([prompt or "", completion])
+        return prompt_ids, _append_eos(tok, completion_ids), []
     prompt_text = tok.render(prompt, generation_prompt=True) if prompt else ""
     full = tok.render([*(prompt or []), *completion], generation_prompt=False)
     if not full.startswith(prompt_text):
@@ -322,7 +347,8 @@ def _prompt_and_completion(tok: Tokenizer, prompt, completion) -> tuple[list[int
     if len(completion) == 1:
         body = full[len(prompt_text):]
         trained = body.rstrip()
-        return tok.encode(prompt_text), tok.encode(trained), tok.encode(body[len(trained):])
+        prompt_ids, trained_ids, tail_ids = tok.encode_pieces([prompt_text, trained, body[len(trained):]])
+        return prompt_ids, trained_ids, tail_ids
     # several completion turns (e.g. assistant, tool, assistant): mask by segment, prompt stays untrained
     ids, mask = encode_segments(tok, chat_segments(tok, [*(prompt or []), *completion]))
     n_prompt = len(tok.encode(prompt_text))
