@@ -98,7 +98,8 @@ def test_bad_inputs_are_reported(model):
         generate(model, tokens, max_new_tokens=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral",
+                                  "qwen3_moe"])
 def test_greedy_equals_transformers_generate(arch, tmp_path):
     torch = pytest.importorskip("torch")
     from torch_reference import make_reference

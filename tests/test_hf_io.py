@@ -94,10 +94,21 @@ def test_save_hf_round_trip_through_transformers(arch, tmp_path):
     np.testing.assert_array_equal(reloaded(jnp.asarray(tokens), jnp.asarray(mask)), got)
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
-def test_gemma_checkpoints_save_back_to_what_transformers_loads(arch, tmp_path):
-    """A transformers Gemma folder loaded, saved by ``save_hf`` and loaded by transformers again: the same config
-    (caps, local RoPE base, layer types, query scale) and the same logits."""
+CONFIG_KEYS = {
+    "gemma2": ("layer_types", "sliding_window", "query_pre_attn_scalar", "final_logit_softcapping",
+               "attn_logit_softcapping"),
+    "gemma3_text": ("layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters"),
+    "mixtral": ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "sliding_window"),
+    "qwen3_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers",
+                  "router_aux_loss_coef"),
+}
+
+
+@pytest.mark.parametrize("arch", list(CONFIG_KEYS))
+def test_checkpoints_save_back_to_what_transformers_loads(arch, tmp_path):
+    """A transformers Gemma / MoE folder loaded, saved by ``save_hf`` and loaded by transformers again: the same
+    config (caps, local RoPE base, layer types, query scale; experts, routing, dense layers), the same weights
+    (MoE: the per-expert layout transformers itself saves) and the same logits."""
     torch = pytest.importorskip("torch")
     from torch_reference import make_reference, torch_logits
     from transformers import AutoModelForCausalLM
@@ -107,9 +118,10 @@ def test_gemma_checkpoints_save_back_to_what_transformers_loads(arch, tmp_path):
     save_hf(model, tmp_path / "saved")
     assert load_hf(tmp_path / "saved").config == model.config
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"), local_files_only=True).eval()
-    for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "final_logit_softcapping",
-                "attn_logit_softcapping", "rope_parameters"):
-        assert getattr(again.config, key, None) == getattr(reference.config, key, None), key
+    for key in CONFIG_KEYS[arch]:
+        assert getattr(again.config, key) == getattr(reference.config, key), key
+    names = set(load_file(str(tmp_path / "saved" / "model.safetensors")))
+    assert names == set(load_file(str(tmp_path / "reference" / "model.safetensors")))
     tokens = np.random.RandomState(2).randint(3, 128, (2, 11))
     mask = np.ones_like(tokens)
     mask[0, 8:] = 0

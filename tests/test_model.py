@@ -1,5 +1,7 @@
 """The decoder: logit parity with transformers, packing, KV cache, sharding."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +28,8 @@ def padded_batch(side: str, vocab: int = 128, seed: int = 0):
     return tokens, mask
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral",
+                                  "qwen3_moe"])
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_logit_parity_with_transformers(arch, side, tmp_path):
     from torch_reference import make_reference, torch_logits
@@ -237,3 +240,98 @@ def test_soft_capped_log_probs_fused_equal_plain(temperature, tmp_path):
     direct = jax.nn.log_softmax(logits[:, :-1] / temperature, -1)
     expected = np.take_along_axis(np.asarray(direct), tokens[:, 1:, None], -1)[..., 0] * loss_mask[:, 1:]
     np.testing.assert_allclose(plain_logps[:, 1:], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_router_load_balancing_loss_equals_transformers(arch, tmp_path):
+    """The load-balancing loss over every sparse layer, padding excluded: transformers' ``aux_loss``
+    (``output_router_logits=True``) on the same padded batch; and the train step adds
+    ``router_aux_loss_coef`` times it (its gradient reaches the routers)."""
+    import torch
+    from torch_reference import make_reference
+
+    from jaxalign.models.llama import recording_router_stats, router_aux_loss
+
+    reference = make_reference(arch, tmp_path)
+    model = load_hf(tmp_path)
+    tokens, mask = padded_batch("right")
+    with torch.no_grad():
+        expected = reference(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask),
+                             output_router_logits=True).aux_loss.item()
+    with recording_router_stats() as routed:
+        model(jnp.asarray(tokens), jnp.asarray(mask))
+    assert float(router_aux_loss(routed, model)) == pytest.approx(expected, rel=1e-5)
+    assert model.config.router_aux_loss_coef == reference.config.router_aux_loss_coef == 0.001
+
+    def aux_of(model):
+        with recording_router_stats() as routed:
+            model(jnp.asarray(tokens), jnp.asarray(mask))
+        return router_aux_loss(routed, model)
+
+    grads = nnx.grad(aux_of)(model)
+    assert float(jnp.abs(grads.layers[0].mlp.router[...]).max()) > 0
+
+
+def test_experts_shard_over_an_expert_mesh_axis(tmp_path, mesh8):
+    """Qwen3-MoE on a (data 2, expert 4) mesh: each device holds one of the 4 experts of every sparse layer, and
+    the sharded forward (and its load-balancing loss) equals the single-device one."""
+    from torch_reference import make_reference
+
+    from jaxalign.models.llama import recording_router_stats, router_aux_loss
+    from jaxalign.parallel import make_mesh
+
+    make_reference("qwen3_moe", tmp_path)
+    tokens, mask = padded_batch("left")
+    plain = load_hf(tmp_path)
+    with recording_router_stats() as routed:
+        expected = plain(jnp.asarray(tokens), jnp.asarray(mask))
+    expected_aux = router_aux_loss(routed, plain)
+    mesh = make_mesh({"data": 2, "expert": 4})
+    with jax.set_mesh(mesh):
+        model = load_hf(tmp_path, mesh=mesh)
+        kernel = model.layers[0].mlp.experts_gate[...]
+        assert kernel.sharding.spec[0] == "expert"
+        assert kernel.addressable_shards[0].data.shape[0] == 1  # one expert per device
+
+        @jax.jit
+        def forward(model, tokens, mask):
+            with recording_router_stats() as routed:
+                logits = model(tokens, mask)
+            return logits, router_aux_loss(routed, model)
+
+        got, aux = forward(model, shard_batch(tokens, mesh), shard_batch(mask, mesh))
+    np.testing.assert_allclose(np.asarray(got)[mask.astype(bool)], np.asarray(expected)[mask.astype(bool)],
+                               atol=1e-5)
+    np.testing.assert_allclose(aux, expected_aux, rtol=1e-5)
+
+
+def test_a_mixture_of_experts_trains_logs_its_aux_loss_and_exports(tmp_path):
+    """SFT on a Qwen3-MoE checkpoint (toy tokenizer): the load-balancing loss is logged as ``moe/aux_loss``, the
+    loss falls, the export loads in transformers with the run's logits; LoRA on the experts is refused with a
+    message, LoRA on attention trains."""
+    import torch
+    from test_train import small_config
+    from torch_reference import make_reference, torch_logits
+    from transformers import AutoModelForCausalLM
+
+    from jaxalign.train import train
+    from jaxalign.train.export import export
+
+    make_reference("qwen3_moe", tmp_path / "base", vocab_size=320)
+    flags = [f"--config.model.path={tmp_path / 'base'}", "--config.tokenizer=toy", "--config.train.steps=6",
+             "--config.train.log_every=3", "--config.optim.lr=3e-3", "--config.eval.generate=0"]
+    train(small_config("sft", tmp_path / "run", *flags))
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["split"] == "train"]
+    assert all(r["moe/aux_loss"] > 0 for r in steps) and steps[-1]["loss"] < steps[0]["loss"]
+    out = export(tmp_path / "run", tmp_path / "hf")
+    reference = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
+    tokens, mask = padded_batch("right", vocab=320)
+    with torch.no_grad():
+        expected = torch_logits(reference, tokens, mask)
+    got = np.asarray(load_hf(out)(jnp.asarray(tokens), jnp.asarray(mask)))
+    assert np.abs(got - expected)[mask.astype(bool)].max() <= 1e-4
+    with pytest.raises(ValueError, match="cannot adapt the experts of the mixture-of-experts layers"):
+        train(small_config("sft", tmp_path / "lora_bad", *flags, "--config.lora.enabled=True"))
+    train(small_config("sft", tmp_path / "lora", *flags, "--config.lora.enabled=True",
+                       "--config.lora.target_modules=q_proj,k_proj,v_proj,o_proj", "--config.train.steps=2"))

@@ -31,6 +31,12 @@ ARCH_CONFIGS = {
                                                             "rope_theta": 1e6},
                                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
                         initializer_range=0.1),
+    # 4 experts, top 2 renormalised, sliding window; Mixtral's block_sparse_moe.experts.E.w1/w2/w3 on disk
+    "mixtral": dict(cls="MixtralConfig", num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+                    initializer_range=0.1),
+    # q/k norms, 4 experts of their own width, top 2 not renormalised, the second layer dense (mlp_only_layers)
+    "qwen3_moe": dict(cls="Qwen3MoeConfig", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
+                      norm_topk_prob=False, mlp_only_layers=[1], head_dim=24, initializer_range=0.1),
 }
 
 

@@ -60,7 +60,7 @@ def get_config(arg=None):
     # Mesh axis sizes (-1 = fill the remaining devices) and the logical-axis -> mesh-axis rules table: entries
     # LOGICAL=MESH[+MESH] replace the defaults (jaxalign/parallel/mesh.py DEFAULT_RULES), an empty right-hand side
     # replicates, e.g. "embed=fsdp+tensor,mlp=" ; the run's config.json records the whole table.
-    config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, rules=""))
+    config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, expert=1, rules=""))
     # Several processes (TPU pod hosts, SLURM tasks, one process per GPU node): "auto" joins when the environment
     # says so (SLURM, Open MPI, a multi-host TPU slice, JAX_COORDINATOR_ADDRESS); set the coordinator by hand for
     # anything else. See launch/README.md.

@@ -13,7 +13,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral",
+                           "qwen3_moe")
 ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU; GeGLU with the tanh GELU (Gemma)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # "xla": explicit einsum attention (any mask, KV cache); "dot_product": jax.nn.dot_product_attention with
@@ -56,6 +57,11 @@ class LlamaConfig:
     (attention scale ``query_pre_attn_scalar ** -0.5``; 0 = ``head_dim``), ``attn_softcap`` / ``final_softcap``
     (``cap · tanh(x / cap)`` on attention scores / final logits; 0 = off) and ``local_rope_theta`` (Gemma 3: the
     sliding-window layers' RoPE base, without ``rope_scaling``; 0 = every layer uses ``rope_theta``).
+
+    Mixture of experts (Mixtral, Qwen3-MoE): ``num_experts`` (0 = dense) SwiGLU experts of
+    ``moe_intermediate_size``, ``num_experts_per_tok`` routed per token (softmax, top-k, renormalised with
+    ``norm_topk_prob``), ``moe_layers`` (per layer, whether it is sparse; default all), and
+    ``router_aux_loss_coef``: the load-balancing loss' weight in training.
     ``sliding_window_layers``: per layer, whether the sliding window applies (Mistral: all; Qwen2: per
     ``layer_types``). ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype.
     """
@@ -84,6 +90,12 @@ class LlamaConfig:
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     local_rope_theta: float = 0.0
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0  # 0: intermediate_size
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0
+    moe_layers: tuple[bool, ...] = ()
     sliding_window: int = 0  # 0: none
     sliding_window_layers: tuple[bool, ...] = ()
     architecture: str = "llama"
@@ -113,6 +125,12 @@ class LlamaConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if isinstance(self.moe_layers, list):
+            object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        if self.num_experts and not self.moe_layers:
+            object.__setattr__(self, "moe_layers", (True,) * self.num_layers)
+        if self.num_experts and not self.moe_intermediate_size:
+            object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
         if self.sliding_window and not self.sliding_window_layers:
             object.__setattr__(self, "sliding_window_layers", (True,) * self.num_layers)
         problems = []
@@ -125,9 +143,18 @@ class LlamaConfig:
         if self.sliding_window_layers and len(self.sliding_window_layers) != self.num_layers:
             problems.append(f"sliding_window_layers has {len(self.sliding_window_layers)} entries for "
                             f"{self.num_layers} layers")
-        if self.qk_norm != (self.architecture in ("qwen3", "gemma3_text")):
+        if self.qk_norm != (self.architecture in ("qwen3", "gemma3_text", "qwen3_moe")):
             problems.append(f"qk_norm={self.qk_norm} with architecture {self.architecture!r}: Qwen3 and Gemma 3 "
                             "normalise q and k per head, the others do not")
+        if self.num_experts < 0 or (self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts):
+            problems.append(f"num_experts={self.num_experts}, num_experts_per_tok={self.num_experts_per_tok}: need "
+                            "1 <= num_experts_per_tok <= num_experts (or num_experts=0, dense)")
+        if self.moe_layers and (not self.num_experts or len(self.moe_layers) != self.num_layers):
+            problems.append(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers"
+                            + ("" if self.num_experts else " but num_experts=0"))
+        if (self.architecture in ("mixtral", "qwen3_moe")) != bool(self.num_experts):
+            problems.append(f"architecture {self.architecture!r} with num_experts={self.num_experts}: mixtral and "
+                            "qwen3_moe are the mixture-of-experts architectures")
         if self.hidden_act not in ACTIVATIONS:
             problems.append(f"hidden_act={self.hidden_act!r} (supported: {ACTIVATIONS})")
         for name in ("norm_offset", "query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rope_theta"):
@@ -166,9 +193,15 @@ class LlamaConfig:
         attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += self.qkv_bias * hd * (self.num_heads + 2 * self.num_kv_heads) + self.o_bias * d
         mlp = 3 * d * self.intermediate_size + self.mlp_bias * (2 * self.intermediate_size + d)
-        per_layer = attn + mlp + (4 if self.sandwich_norms else 2) * d + self.qk_norm * 2 * hd
+        experts = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
+        per_layer = attn + (4 if self.sandwich_norms else 2) * d + self.qk_norm * 2 * hd
+        mlps = sum(experts if self.is_moe(i) else mlp for i in range(self.num_layers))
         head = d * self.num_labels if self.num_labels else 0 if self.tie_word_embeddings else d * self.vocab_size
-        return self.num_layers * per_layer + self.vocab_size * d + d + head
+        return self.num_layers * per_layer + mlps + self.vocab_size * d + d + head
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts."""
+        return bool(self.num_experts) and self.moe_layers[layer]
 
     def local_rope(self, layer: int) -> bool:
         """Whether ``layer`` takes the local RoPE (``local_rope_theta``, no scaling): Gemma 3's sliding layers."""

@@ -36,7 +36,7 @@ from jaxalign.parallel.mesh import Rules
 
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-             "gemma3_text": "Gemma3ForCausalLM"}
+             "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 GEMMA = ("gemma2", "gemma3_text")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _ARCH_FROM_CLASS = {cls: arch for arch, cls in _HF_CLASS.items()}
@@ -98,13 +98,14 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype
         num_layers = int(hf["num_hidden_layers"])
         hidden = int(hf["hidden_size"])
         window, window_layers = 0, ()
-        if arch in ("mistral", "phi3") and hf.get("sliding_window"):
+        if arch in ("mistral", "phi3", "mixtral") and hf.get("sliding_window"):
             window = int(hf["sliding_window"])
         if arch in GEMMA and hf.get("sliding_window"):  # local / global layers: layer_types, or the old pattern
             window = int(hf["sliding_window"])
             every = 2 if arch == "gemma2" else int(hf.get("sliding_window_pattern", 6))
             window_layers = tuple(bool((i + 1) % every) for i in range(num_layers))
-        if arch in ("qwen2", "qwen3") and hf.get("sliding_window") and hf.get("use_sliding_window", False):
+        if arch in ("qwen2", "qwen3", "qwen3_moe") and hf.get("sliding_window") and hf.get("use_sliding_window",
+                                                                                             False):
             window = int(hf["sliding_window"])
             first = int(hf.get("max_window_layers", num_layers))
             window_layers = tuple(i >= first for i in range(num_layers))
@@ -125,8 +126,9 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in GEMMA)),
             qkv_bias=arch == "qwen2" or attention_bias,
-            o_bias=arch in ("llama", "qwen3", *GEMMA) and attention_bias,
-            qk_norm=arch in ("qwen3", "gemma3_text"),
+            o_bias=arch in ("llama", "qwen3", "qwen3_moe", *GEMMA) and attention_bias,
+            qk_norm=arch in ("qwen3", "gemma3_text", "qwen3_moe"),
+            **_moe_fields(hf, arch, num_layers),
             hidden_act=_ACTIVATIONS[act],
             **(dict(norm_offset=1.0, embed_scale=True, sandwich_norms=True,
                     query_pre_attn_scalar=int(hf.get("query_pre_attn_scalar") or 0),
@@ -153,6 +155,24 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype
         for ours, theirs in _HF_FIELD_NAMES.items():
             message = re.sub(rf"\b{ours}=", f"{theirs}=", message)
         raise CheckpointError(f"{source}: {message}") from None
+
+
+def _moe_fields(hf: Mapping[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Mixtral / Qwen3-MoE ``config.json`` (none for dense models)."""
+    if arch == "mixtral":
+        return dict(num_experts=int(hf.get("num_local_experts", 8)),
+                    num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)), norm_topk_prob=True,
+                    router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+    if arch == "qwen3_moe":
+        dense = set(hf.get("mlp_only_layers") or [])
+        step = int(hf.get("decoder_sparse_step", 1))
+        return dict(num_experts=int(hf.get("num_experts") or hf.get("num_local_experts", 128)),
+                    num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
+                    moe_intermediate_size=int(hf.get("moe_intermediate_size", 768)),
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                    router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+                    moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)))
+    return {}
 
 
 def _num_labels(hf: Mapping[str, Any], source: str) -> int:
@@ -190,7 +210,10 @@ def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
         raise CheckpointError(f"architecture {arch!r} has no soft-capping, local RoPE base or query_pre_attn_scalar")
     if arch == "gemma2" and config.local_rope_theta:
         raise CheckpointError("gemma2 uses one RoPE base for every layer; a local base is gemma3_text's")
-    if arch in ("llama", "qwen3", *GEMMA) and config.qkv_bias != config.o_bias:
+    if arch == "mixtral" and not (config.norm_topk_prob and all(config.moe_layers)):
+        raise CheckpointError("mixtral renormalises the top-k router weights in every (sparse) layer; save other "
+                              "routings as 'qwen3_moe'")
+    if arch in ("llama", "qwen3", "qwen3_moe", *GEMMA) and config.qkv_bias != config.o_bias:
         raise CheckpointError(f"{arch}'s attention_bias puts biases on q, k, v and o alike; "
                               "save q/k/v-only biases as architecture='qwen2'")
     rope_scaling = None
@@ -229,8 +252,16 @@ def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
         out.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     if arch == "llama":
         out.update(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         out["attention_bias"] = config.qkv_bias
+    if arch == "mixtral":
+        out.update(num_local_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+                   router_aux_loss_coef=config.router_aux_loss_coef, sliding_window=config.sliding_window or None)
+    if arch == "qwen3_moe":
+        out.update(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+                   moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
+                   router_aux_loss_coef=config.router_aux_loss_coef, decoder_sparse_step=1,
+                   mlp_only_layers=[i for i in range(config.num_layers) if not config.is_moe(i)])
     if arch == "mistral":
         out["sliding_window"] = config.sliding_window or None
     if arch == "phi3":
@@ -246,7 +277,7 @@ def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
                                 for i in range(config.num_layers)])
     if arch == "gemma3_text":
         out["rope_local_base_freq"] = config.local_rope_theta or config.rope_theta
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe"):
         out["use_sliding_window"] = bool(config.sliding_window)
         out["sliding_window"] = config.sliding_window or None
         out["max_window_layers"] = config.num_layers
@@ -272,7 +303,26 @@ _LAYOUT = (
     (r"layers\.(\d+)\.self_attn\.([qk])_norm\.weight", "model.layers.{0}.self_attn.{1}_norm.weight", "copy"),
     (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj", "model.layers.{0}.mlp.{1}_proj.weight", "linear:1"),
     (r"layers\.(\d+)\.mlp\.(gate|up|down)_bias", "model.layers.{0}.mlp.{1}_proj.bias", "copy"),
+    (r"layers\.(\d+)\.mlp\.router", "model.layers.{0}.mlp.gate.weight", "linear:1"),
+    # one [E, in, out] array <-> E tensors [out, in], the per-expert layout of the Hub and of transformers' save
+    (r"layers\.(\d+)\.mlp\.experts_(gate|up|down)", "model.layers.{0}.mlp.experts.{{e}}.{1}_proj.weight", "experts"),
 )
+# Mixtral's names for the same tensors
+_MIXTRAL_NAMES = ((".mlp.gate.", ".block_sparse_moe.gate."), (".mlp.experts.", ".block_sparse_moe.experts."),
+                  (".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2."))
+
+
+def arch_name(config: LlamaConfig, name: str) -> str:
+    """An HF tensor name as ``config.architecture`` spells it (Mixtral's ``block_sparse_moe.experts.E.w1``)."""
+    if config.architecture == "mixtral" and (".mlp.gate." in name or ".mlp.experts." in name):
+        for ours, theirs in _MIXTRAL_NAMES:
+            name = name.replace(ours, theirs)
+    return name
+
+
+def expert_names(config: LlamaConfig, template: str) -> list[str]:
+    """The per-expert tensor names of an ``experts`` entry (``...experts.{e}...``), in expert order."""
+    return [arch_name(config, template.format(e=e)) for e in range(config.num_experts)]
 
 
 # Phi-3 stores q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj`` (rows stacked in this order): split
@@ -444,21 +494,25 @@ def check_weights(files: Mapping[str, TensorEntry], config: LlamaConfig, folder:
     model's ``score`` head may be missing: a causal LM becoming a reward model gets a new one)."""
     for our_path, variable in nnx.to_flat_state(nnx.state(abstract_model(config), nnx.Param)):
         name, kind = hf_layout(our_path)
-        expected = hf_shape(kind, tuple(variable.shape))
-        if (fused := fused_rows(config, name)) is not None:
-            name, expected = fused[0], fused_shape(config, fused[0])
-        entry = files.get(name)
-        if entry is None and name == "score.weight":
-            continue
-        if entry is None:
-            raise CheckpointError(f"{folder}: tensor {name} is missing from the checkpoint "
-                                  f"(needed for parameter {'.'.join(map(str, our_path))})")
-        if entry.shape != expected:
-            raise CheckpointError(f"{entry.file}: tensor {name} has shape {entry.shape} but the config needs "
-                                  f"{expected}")
-        if entry.dtype not in _ST_FLOAT:
-            raise CheckpointError(f"{entry.file}: tensor {name} has dtype {entry.dtype}; weights must be floating "
-                                  f"point ({', '.join(sorted(_ST_FLOAT))})")
+        if kind == "experts":
+            checks = [(n, hf_shape("linear:1", tuple(variable.shape[1:]))) for n in expert_names(config, name)]
+        elif (fused := fused_rows(config, name)) is not None:
+            checks = [(fused[0], fused_shape(config, fused[0]))]
+        else:
+            checks = [(arch_name(config, name), hf_shape(kind, tuple(variable.shape)))]
+        for name, expected in checks:
+            entry = files.get(name)
+            if entry is None and name == "score.weight":
+                continue
+            if entry is None:
+                raise CheckpointError(f"{folder}: tensor {name} is missing from the checkpoint "
+                                      f"(needed for parameter {'.'.join(map(str, our_path))})")
+            if entry.shape != expected:
+                raise CheckpointError(f"{entry.file}: tensor {name} has shape {entry.shape} but the config needs "
+                                      f"{expected}")
+            if entry.dtype not in _ST_FLOAT:
+                raise CheckpointError(f"{entry.file}: tensor {name} has dtype {entry.dtype}; weights must be "
+                                      f"floating point ({', '.join(sorted(_ST_FLOAT))})")
 
 
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -496,19 +550,24 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, mes
     handles: dict[Path, Any] = {}
     used: set[str] = set()
 
+    def handle(name: str):
+        file = files[name].file
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="numpy")
+        used.add(name)
+        return handles[file]
+
     def load_tensor(our_path: tuple, shape: tuple[int, ...]) -> np.ndarray:
         name, kind = hf_layout(our_path)
         if name == "score.weight" and name not in files:
             return new_score_head(shape, seed)
-        fused = fused_rows(config, name)
-        stored = name if fused is None else fused[0]
-        file = files[stored].file
-        if file not in handles:
-            handles[file] = safe_open(str(file), framework="numpy")
-        used.add(stored)
-        if fused is None:
-            return from_hf(kind, handles[file].get_tensor(name), shape)
-        return from_hf(kind, handles[file].get_slice(stored)[fused[1]:fused[2]], shape)
+        if kind == "experts":
+            return np.stack([from_hf("linear:1", handle(n).get_tensor(n), shape[1:])
+                             for n in expert_names(config, name)])
+        if (fused := fused_rows(config, name)) is not None:
+            return from_hf(kind, handle(fused[0]).get_slice(fused[0])[fused[1]:fused[2]], shape)
+        name = arch_name(config, name)
+        return from_hf(kind, handle(name).get_tensor(name), shape)
 
     try:
         model = build_model(config, load_tensor, mesh=mesh, rules=rules)
@@ -549,19 +608,24 @@ def save_hf(model: LlamaForCausalLM, path: str | os.PathLike, *, max_shard_size:
     pending: dict[str, dict[int, np.ndarray]] = {}  # fused tensors (Phi-3) until all their parts are read
     for our_path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, kind = hf_layout(our_path)
-        tensor = to_hf(kind, np.asarray(jax.device_get(variable.get_value())))
-        if (fused := fused_rows(config, name)) is not None:
+        array = np.asarray(jax.device_get(variable.get_value()))
+        if kind == "experts":
+            items = [(n, to_hf("linear:1", array[e])) for e, n in enumerate(expert_names(config, name))]
+        elif (fused := fused_rows(config, name)) is not None:
             parts = pending.setdefault(fused[0], {})
-            parts[fused[1]] = tensor
+            parts[fused[1]] = to_hf(kind, array)
             if sum(len(p) for p in parts.values()) < fused_shape(config, fused[0])[0]:
                 continue
-            name, tensor = fused[0], np.concatenate([parts[start] for start in sorted(parts)])
-            del pending[name]
-        if shards[-1] and shard_bytes + tensor.nbytes > limit:
-            shards.append({})
-            shard_bytes = 0
-        shards[-1][name] = tensor
-        shard_bytes += tensor.nbytes
+            items = [(fused[0], np.concatenate([parts[start] for start in sorted(parts)]))]
+            del pending[fused[0]]
+        else:
+            items = [(arch_name(config, name), to_hf(kind, array))]
+        for name, tensor in items:
+            if shards[-1] and shard_bytes + tensor.nbytes > limit:
+                shards.append({})
+                shard_bytes = 0
+            shards[-1][name] = tensor
+            shard_bytes += tensor.nbytes
     for stale in [*folder.glob("model*.safetensors"), folder / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)
     metadata = {"format": "pt"}

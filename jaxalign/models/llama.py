@@ -19,7 +19,10 @@ float32, rotary tables in float32, matmuls in ``config.dtype``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import jax
@@ -232,6 +235,82 @@ class MLP(nnx.Module):
         return project(constrain(hidden, ("batch", "length", "mlp")), "down")
 
 
+class MoE(nnx.Module):
+    """A dropless mixture of SwiGLU experts (Mixtral, Qwen3-MoE). Router: ``softmax(x @ router)`` in float32, the
+    ``num_experts_per_tok`` largest (renormalised with ``norm_topk_prob``). The token x expert assignments are
+    sorted by expert and each expert's rows go through ``jax.lax.ragged_dot`` (grouped matmuls): no
+    ``[tokens, experts, d]`` tensor and no capacity limit, so no token is dropped. Experts carry the ``expert``
+    logical axis. ``__call__`` returns the output and the router logits ``[tokens, experts]``."""
+
+    def __init__(self, config: LlamaConfig, rngs: nnx.Rngs):
+        self.config = config
+        d, f, e, pd = config.hidden_size, config.moe_intermediate_size, config.num_experts, config.param_dtype
+        self.router = _param(rngs, (d, e), ("embed", None), pd, d ** -0.5)
+        self.experts_gate = _param(rngs, (e, d, f), ("expert", "embed", "mlp"), pd, d ** -0.5)
+        self.experts_up = _param(rngs, (e, d, f), ("expert", "embed", "mlp"), pd, d ** -0.5)
+        self.experts_down = _param(rngs, (e, f, d), ("expert", "mlp", "embed"), pd, f ** -0.5)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        cfg = self.config
+        shape, k = x.shape, cfg.num_experts_per_tok
+        flat = x.reshape(-1, shape[-1])
+        logits = dense(flat, self.router[...].astype(x.dtype))
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        weights, chosen = jax.lax.top_k(probs, k)
+        if cfg.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        experts = chosen.reshape(-1)
+        order = jnp.argsort(experts, stable=True)  # the assignments grouped by expert
+        token = order // k
+        sizes = jnp.bincount(experts, length=cfg.num_experts).astype(jnp.int32)
+
+        def grouped(inputs, kernel):
+            return jax.lax.ragged_dot(inputs, kernel[...].astype(inputs.dtype), sizes)
+
+        rows = flat[token]
+        hidden = jax.nn.silu(grouped(rows, self.experts_gate)) * grouped(rows, self.experts_up)
+        out = grouped(hidden, self.experts_down) * weights.reshape(-1)[order][:, None].astype(x.dtype)
+        combined = jnp.zeros_like(flat).at[token].add(out)
+        return combined.reshape(shape), logits
+
+
+def router_stats(logits: jax.Array, mask: jax.Array, top_k: int) -> jax.Array:
+    """``[2E + 1]``: per expert, how many real tokens picked it and its summed router probability, then the
+    number of real tokens (what the load-balancing loss needs; summable over layers and forwards)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weight = mask.reshape(-1).astype(jnp.float32)
+    picked = jax.nn.one_hot(jax.lax.top_k(probs, top_k)[1], probs.shape[-1], dtype=jnp.float32).sum(axis=1)
+    return jnp.concatenate([(picked * weight[:, None]).sum(0), (probs * weight[:, None]).sum(0), weight.sum()[None]])
+
+
+_ROUTER_SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxalign_router_sink", default=None)
+
+
+@contextlib.contextmanager
+def recording_router_stats() -> Iterator[list]:
+    """Inside the block every forward of a mixture-of-experts model (without a KV cache) appends ``(model, stats)``
+    to the yielded list; ``router_aux_loss`` turns one model's entries into its load-balancing loss."""
+    sink: list = []
+    token = _ROUTER_SINK.set(sink)
+    try:
+        yield sink
+    finally:
+        _ROUTER_SINK.reset(token)
+
+
+def router_aux_loss(sink: list, model) -> jax.Array | None:
+    """``model``'s load-balancing loss over the forwards recorded in ``sink`` (as one batch), or None."""
+    values = [stats for owner, stats in sink if owner is model]
+    return load_balancing_loss(sum(values), model.config.num_experts) if values else None
+
+
+def load_balancing_loss(stats: jax.Array, num_experts: int) -> jax.Array:
+    """The Switch Transformer load-balancing loss as transformers' ``load_balancing_loss_func`` computes it over
+    all sparse layers: ``E · Σ_e (assignments to e / rows) · (mean router probability of e)``."""
+    rows = jnp.maximum(stats[-1], 1e-9)
+    return num_experts * jnp.sum(stats[:num_experts] / rows * stats[num_experts:2 * num_experts] / rows)
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm residual blocks. Llama's ``post_attention_layernorm`` is the MLP's input norm; with
     ``sandwich_norms`` (Gemma) it normalises the attention output, and ``pre_feedforward_layernorm`` /
@@ -245,17 +324,25 @@ class DecoderLayer(nnx.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = norm(config, config.hidden_size, rngs)
             self.post_feedforward_layernorm = norm(config, config.hidden_size, rngs)
-        self.mlp = MLP(config, rngs)
+        self.mlp = MoE(config, rngs) if config.is_moe(layer) else MLP(config, rngs)
+
+    def _mlp(self, x):
+        if isinstance(self.mlp, MoE):
+            return self.mlp(x)
+        return self.mlp(x), None
 
     def __call__(self, x, cos, sin, mask, cache_kv=None, cache_index=None):
+        """``(x, new_kv, router logits or None)``."""
         attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_kv, cache_index)
         if self.sandwich:
             x = x + self.post_attention_layernorm(attn)
-            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            out, router = self._mlp(self.pre_feedforward_layernorm(x))
+            x = x + self.post_feedforward_layernorm(out)
         else:
             x = x + attn
-            x = x + self.mlp(self.post_attention_layernorm(x))
-        return constrain(x, ("batch", "length", "act_embed")), new_kv
+            out, router = self._mlp(self.post_attention_layernorm(x))
+            x = x + out
+        return constrain(x, ("batch", "length", "act_embed")), new_kv, router
 
 
 def positions_from_mask(attention_mask: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
@@ -399,18 +486,23 @@ class LlamaForCausalLM(nnx.Module):
         x = constrain(x, ("batch", "length", "act_embed"))
         run_layer = _remat_layers[self.config.remat_policy] if self.config.remat and cache is None else _call_layer
         masks: dict[int, jax.Array] = {}
-        new_keys, new_values = [], []
+        new_keys, new_values, stats = [], [], []
         for i, layer in enumerate(self.layers):
             window = self.config.layer_window(i)
             if window not in masks:
                 masks[window] = _attention_mask(slots, k_slots, k_valid, segment_ids, k_segments, window)
             cache_kv = None if cache is None else (cache.keys[i], cache.values[i])
             cos, sin = tables[self.config.local_rope(i)]
-            x, new_kv = run_layer(layer, x, cos, sin, masks[window], cache_kv, None if cache is None else cache.index)
+            x, new_kv, router = run_layer(layer, x, cos, sin, masks[window], cache_kv,
+                                          None if cache is None else cache.index)
+            if router is not None and cache is None:
+                stats.append(router_stats(router, attention_mask, self.config.num_experts_per_tok))
             if new_kv is not None:
                 new_keys.append(new_kv[0])
                 new_values.append(new_kv[1])
         hidden = self.norm(x)
+        if stats and (sink := _ROUTER_SINK.get()) is not None:  # the load-balancing loss' inputs
+            sink.append((self, sum(stats)))
         if cache is None:
             return hidden, None
         new_cache = KVCache(keys=tuple(new_keys), values=tuple(new_values), valid=k_valid,

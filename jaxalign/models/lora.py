@@ -112,8 +112,15 @@ def _owner(layer, name: str):
 def attach(model: LlamaForCausalLM, lora: LoRAConfig, rngs: nnx.Rngs) -> LlamaForCausalLM:
     """Adds a fresh adapter (``A`` random, ``B`` zero) next to every target kernel, in place; returns ``model``.
 
-    Works on abstract models (``nnx.eval_shape``) too.
+    Works on abstract models (``nnx.eval_shape``) too. MLP targets on a mixture-of-experts layer are an error (the
+    experts are not adapted).
     """
+    sparse = [i for i in range(model.config.num_layers) if model.config.is_moe(i)]
+    mlp_targets = [t for t in lora.targets if t not in ATTENTION_TARGETS]
+    if sparse and mlp_targets:
+        raise ValueError(f"LoRA targets {', '.join(mlp_targets)} cannot adapt the experts of the mixture-of-experts "
+                         f"layers ({len(sparse)} of {model.config.num_layers}); set lora.target_modules to attention "
+                         f"projections ({','.join(ATTENTION_TARGETS)})")
     for i, layer in enumerate(model.layers):
         for name in lora.targets:
             owner = _owner(layer, name)

@@ -2,8 +2,8 @@
 
 Parameters and activations name their dimensions with *logical* axes (``embed``, ``mlp``, ``heads``,
 ``vocab``, ``batch``...). One rules table maps each logical axis to zero or more *mesh* axes
-(``data``, ``fsdp``, ``tensor``), so the model code never mentions a mesh axis and the same model runs
-on one CPU, eight GPUs or a TPU pod by configuration alone (the MaxText pattern).
+(``data``, ``fsdp``, ``tensor``, and ``expert`` for mixtures of experts), so the model code never mentions a mesh
+axis and the same model runs on one CPU, eight GPUs or a TPU pod by configuration alone (the MaxText pattern).
 
 Meshes are built with ``AxisType.Auto`` axes: classic GSPMD propagation, so an FSDP/TP matmul needs no
 per-op ``out_sharding``.
@@ -20,13 +20,13 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "expert")
 
 # Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 DEFAULT_RULES: Rules = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),  # an expert axis splits the batch too outside the experts
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
@@ -38,6 +38,7 @@ DEFAULT_RULES: Rules = (
     ("act_embed", None),
     ("layers", None),
     ("lora_rank", None),
+    ("expert", "expert"),  # a mixture of experts' expert dimension (absent from meshes without an expert axis)
 )
 
 

@@ -80,6 +80,7 @@ HELP: dict[str, str] = {
     "mesh.data": "data-parallel devices (-1 = the rest)",
     "mesh.fsdp": "fully sharded data-parallel devices (-1 = the rest)",
     "mesh.tensor": "tensor-parallel devices (-1 = the rest)",
+    "mesh.expert": "expert-parallel devices of a mixture of experts (its experts split over them; -1 = the rest)",
     "mesh.rules": "logical -> mesh axis entries replacing the defaults, e.g. embed=fsdp+tensor,mlp=",
     "distributed.mode": "several processes: auto (join when SLURM / Open MPI / TPU say so), on or off",
     "distributed.coordinator_address": "HOST:PORT of process 0 (empty = from the environment)",

@@ -355,11 +355,13 @@ class MeshSpec:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    expert: int = 1
     rules: str = ""
 
     @property
     def shape(self) -> dict[str, int]:
-        return {axis: int(getattr(self, axis)) for axis in MESH_AXES}
+        """The axes and their sizes; ``expert`` only when it is not 1 (a dense run's mesh keeps three axes)."""
+        return {axis: int(getattr(self, axis)) for axis in MESH_AXES if axis != "expert" or self.expert != 1}
 
     @property
     def rules_table(self) -> Rules:
@@ -368,7 +370,7 @@ class MeshSpec:
     def data_parallel(self, num_devices: int) -> int:
         fixed = math.prod(s for s in self.shape.values() if s != -1)
         size = lambda axis: num_devices // fixed if getattr(self, axis) == -1 else getattr(self, axis)
-        return size("data") * size("fsdp")
+        return size("data") * size("fsdp") * (size("expert") if "expert" in self.shape else 1)
 
     def problems(self, run: RunSpec, num_devices: int) -> list[str]:
         mesh = self.shape
@@ -388,7 +390,8 @@ class MeshSpec:
         rows = train.batch_size // max(train.grad_accum, 1)
         if rows % self.data_parallel(num_devices):
             problems.append(f"train.batch_size / train.grad_accum = {rows} rows per micro-batch is not divisible "
-                            f"by the {self.data_parallel(num_devices)} data-parallel shards (mesh data x fsdp); "
+                            f"by the {self.data_parallel(num_devices)} data-parallel shards (mesh data x fsdp x "
+                            "expert); "
                             "change train.batch_size or the mesh")
         return problems
 

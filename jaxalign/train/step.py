@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxalign.models import lora, param_shardings
+from jaxalign.models.llama import recording_router_stats, router_aux_loss
 from jaxalign.objectives.common import Metric
 
 
@@ -147,7 +148,13 @@ def make_train_step(parts, objective: Callable, hparams, tx: optax.GradientTrans
     def loss_and_grads(params, frozen, micro, step, rng):
         def summed_loss(params):
             model = parts.policy(params, frozen, rng)
-            loss, metrics = objective(model, micro, hparams, reference=parts.reference(frozen), step=step, rng=rng)
+            with recording_router_stats() as routed:
+                loss, metrics = objective(model, micro, hparams, reference=parts.reference(frozen), step=step,
+                                          rng=rng)
+            aux = router_aux_loss(routed, model)
+            if aux is not None:  # a mixture of experts: its load-balancing loss, weighted as transformers adds it
+                metrics = {**metrics, "moe/aux_loss": Metric(jax.lax.stop_gradient(aux), jnp.ones((), jnp.float32))}
+                loss = loss + model.config.router_aux_loss_coef * aux
             return loss * metrics["loss"].count, metrics
 
         return jax.value_and_grad(summed_loss, has_aux=True)(params)
