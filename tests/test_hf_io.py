@@ -49,6 +49,8 @@ def test_config_errors_name_the_problem():
         config_from_hf({**LEGACY, "rope_scaling": {"type": "yarn", "factor": 4.0}})
     with pytest.raises(CheckpointError, match="hidden_act='gelu'"):
         config_from_hf({**LEGACY, "hidden_act": "gelu"})
+    with pytest.raises(CheckpointError, match=r"num_experts=1099511627776 must be an integer in \[0, 16384\]"):
+        config_from_hf({**LEGACY, "model_type": "mixtral", "num_local_experts": 2**40})  # checked before building
     with pytest.raises(CheckpointError, match="Gemma 3 image-text checkpoint"):
         config_from_hf({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
                         "text_config": {}})

@@ -26,7 +26,9 @@ REMAT_POLICIES = ("nothing", "dots", "dots_no_batch")
 # Sane bounds for a decoder's sizes (far above any released model), checked before anything is built.
 SIZE_LIMITS = {"vocab_size": (1, 2**24), "hidden_size": (1, 2**16), "intermediate_size": (1, 2**20),
                "num_layers": (1, 1024), "num_heads": (1, 1024), "num_kv_heads": (1, 1024), "head_dim": (0, 2**13),
-               "max_position_embeddings": (1, 2**26), "sliding_window": (0, 2**26)}
+               "max_position_embeddings": (1, 2**26), "sliding_window": (0, 2**26), "num_experts": (0, 2**14),
+               "num_experts_per_tok": (1, 2**14), "moe_intermediate_size": (0, 2**20),
+               "query_pre_attn_scalar": (0, 2**20)}
 
 
 @dataclasses.dataclass(frozen=True)
