@@ -273,8 +273,9 @@ def test_router_load_balancing_loss_equals_transformers(arch, tmp_path):
 
 
 def test_experts_shard_over_an_expert_mesh_axis(tmp_path, mesh8):
-    """Qwen3-MoE on a (data 2, expert 4) mesh: each device holds one of the 4 experts of every sparse layer, and
-    the sharded forward (and its load-balancing loss) equals the single-device one."""
+    """Qwen3-MoE on a (data 2, expert 2, tensor 2) mesh: each device holds 2 of the 4 experts of every sparse
+    layer (split over the expert axis), and the sharded forward (and its load-balancing loss) equals the
+    single-device one."""
     from torch_reference import make_reference
 
     from jaxalign.models.llama import recording_router_stats, router_aux_loss
@@ -286,12 +287,12 @@ def test_experts_shard_over_an_expert_mesh_axis(tmp_path, mesh8):
     with recording_router_stats() as routed:
         expected = plain(jnp.asarray(tokens), jnp.asarray(mask))
     expected_aux = router_aux_loss(routed, plain)
-    mesh = make_mesh({"data": 2, "expert": 4})
+    mesh = make_mesh({"data": 2, "expert": 2, "tensor": 2})
     with jax.set_mesh(mesh):
         model = load_hf(tmp_path, mesh=mesh)
         kernel = model.layers[0].mlp.experts_gate[...]
-        assert kernel.sharding.spec[0] == "expert"
-        assert kernel.addressable_shards[0].data.shape[0] == 1  # one expert per device
+        assert kernel.sharding.spec[0] == "expert" and kernel.sharding.spec[2] == "tensor"
+        assert kernel.addressable_shards[0].data.shape[0] == 2  # 2 of the 4 experts per device
 
         @jax.jit
         def forward(model, tokens, mask):
@@ -335,3 +336,62 @@ def test_a_mixture_of_experts_trains_logs_its_aux_loss_and_exports(tmp_path):
         train(small_config("sft", tmp_path / "lora_bad", *flags, "--config.lora.enabled=True"))
     train(small_config("sft", tmp_path / "lora", *flags, "--config.lora.enabled=True",
                        "--config.lora.target_modules=q_proj,k_proj,v_proj,o_proj", "--config.train.steps=2"))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_the_router_picks_the_experts_transformers_picks(arch, tmp_path):
+    """Every sparse layer's top-k experts for every token of a padded batch: exactly transformers' (its router
+    logits, ``output_router_logits=True``), and the router logits themselves to 1e-5."""
+    import torch
+    from torch_reference import make_reference
+
+    from jaxalign.models.llama import MoE
+
+    reference = make_reference(arch, tmp_path)
+    model = load_hf(tmp_path)
+    tokens, mask = padded_batch("left")
+    with torch.no_grad():
+        theirs = reference(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask),
+                           output_router_logits=True).router_logits
+    k = model.config.num_experts_per_tok
+    sparse = [i for i in range(model.config.num_layers) if model.config.is_moe(i)]
+    assert len(theirs) == len(sparse)
+    captured = {}
+    original = MoE.__call__
+
+    def spy(self, x):
+        out, logits = original(self, x)
+        captured[id(self)] = logits
+        return out, logits
+
+    MoE.__call__ = spy
+    try:
+        model(jnp.asarray(tokens), jnp.asarray(mask))
+    finally:
+        MoE.__call__ = original
+    for layer, expected in zip(sparse, theirs, strict=True):
+        logits = np.asarray(captured[id(model.layers[layer].mlp)])
+        np.testing.assert_allclose(logits, expected.numpy(), atol=1e-5)
+        picked = np.sort(np.asarray(jax.lax.top_k(jax.nn.softmax(logits), k)[1]), axis=-1)
+        expected_picked = np.sort(torch.topk(torch.softmax(expected.float(), -1), k).indices.numpy(), axis=-1)
+        np.testing.assert_array_equal(picked, expected_picked)
+
+
+def test_moe_layer_memory_grows_linearly_in_tokens():
+    """The compiled MoE layer's temporary memory at 512 and 1024 tokens (8 experts, top 2): doubling the tokens
+    at most doubles it (linear in tokens, no capacity padding). On the CPU, XLA lowers ``ragged_dot`` through a
+    masked ``[experts, rows, d]`` copy of the sorted rows (docs: linear still, but E times the rows)."""
+    from jaxalign.models.llama import MoE
+
+    config = LlamaConfig(architecture="mixtral", num_experts=8, num_experts_per_tok=2, hidden_size=64,
+                         intermediate_size=128)
+    layer = MoE(config, nnx.Rngs(0))
+
+    def temp_bytes(tokens):
+        x = jax.ShapeDtypeStruct((1, tokens, 64), jnp.float32)
+        compiled = jax.jit(lambda layer, x: layer(x)[0]).lower(layer, x).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    small, large = temp_bytes(512), temp_bytes(1024)
+    print(f"MoE layer temporaries: {small} bytes at 512 tokens, {large} at 1024")
+    assert 1.5 * small <= large <= 2.1 * small
