@@ -28,7 +28,10 @@ def test_make_mesh_errors(shape, message):
 
 def test_rules_map_logical_axes(mesh8):
     assert logical_to_spec(("embed", "mlp")) == PartitionSpec("fsdp", "tensor")
-    assert logical_to_spec(("batch", "length", "vocab")) == PartitionSpec(("data", "fsdp"), None, "tensor")
+    # without a mesh, the table as it is; on a mesh, its axes only (the expert axis exists for MoE runs)
+    assert logical_to_spec(("batch", "length", "vocab")) == PartitionSpec(("data", "fsdp", "expert"), None, "tensor")
+    assert logical_to_spec(("batch", "length", "vocab"), (8, 4, 16), mesh8) == PartitionSpec(("data", "fsdp"), None,
+                                                                                               "tensor")
     # a mesh axis is used once per array: the second `tensor` claimant is replicated
     assert logical_to_spec(("heads", "mlp")) == PartitionSpec("tensor", None)
     # dimensions a mesh axis does not divide stay replicated
