@@ -44,6 +44,7 @@ def bos_count(hf, tokens):
 
 def test_multi_turn_messages_decode_back(family):
     name, hf = family
+    assert not Tokenizer(hf).whole_text  # byte-level BPE: prompt and completion tokenised apart
     out = tokenize(hf, {"messages": CONVERSATION})
     spans = trained_spans(out["tokens"], out["loss_mask"])
     assert [hf.decode(span) for span in spans] == [m["content"] + hf.eos_token for m in CONVERSATION

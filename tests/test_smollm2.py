@@ -53,6 +53,9 @@ def test_greedy_chat_answer(smollm2):
                    pad_id=tokenizer.pad_token_id)
     answer = tokenizer.decode(np.asarray(out[0]), skip_special_tokens=True)
     assert "Paris" in answer, answer
+    from jaxalign.data import Tokenizer
+
+    assert not Tokenizer(tokenizer).whole_text  # its byte-level BPE tokenises prompt and completion apart
 
 
 def test_readme_real_model_command_trains_exports_and_keeps_the_tokenizer(smollm2, tmp_path):

@@ -33,7 +33,7 @@ from jaxalign.data.schema import RecordError
 TRUNCATIONS = ("keep_end", "keep_start")
 # joins a chat template makes (word, space, newline, after a bracket): a tokenizer that encodes a piece differently
 # after them encodes whole texts (``Tokenizer.encode_pieces``)
-_JOIN_PROBES = (("x", " y"), ("x", "y"), ("a\n", "b"), ("]", " Hello"), ("a", " "))
+_JOIN_PROBES = (("x", " y"), ("a\n", "b"), ("]", " Hello"), ("a", " "))
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
