@@ -382,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "--config.FIELD=VALUE (e.g. --config.optim.lr=1e-5). Bundled configs: "
                                          "default, sft, ift, dpo, simpo, orpo, cpo, alphapo, kto, reward, distill, "
                                          "gkd, mpo, grpo; add :PRESET for a model preset (tiny, smollm2, llama3_8b, "
-                                         "qwen25_7b, qwen3_8b), e.g. --config dpo:smollm2. "
+                                         "qwen25_7b, qwen3_8b, qwen3_30b_a3b), e.g. --config dpo:smollm2. "
                                          "Interrupting (SIGTERM / Ctrl-C) saves a checkpoint; rerunning resumes.")
     tr.add_argument("--config", default="default", help="config name or .py path, optionally :PRESET")
     tr.set_defaults(func=cmd_train)

@@ -113,7 +113,10 @@ def activation_bytes(model: LlamaConfig, rows: int, length: int, tensor: int, *,
     the fused path (``chunk_size`` vocabulary columns per tile) ``FUSED_TILE_COPIES`` tiles and its accumulators.
     """
     act = jnp.dtype(model.dtype).itemsize
-    h, inter = model.hidden_size, model.intermediate_size / tensor
+    # the MLP's width per token: a mixture of experts runs num_experts_per_tok experts per token (dense layers of a
+    # partly sparse model may be wider: the larger of the two)
+    routed = model.num_experts_per_tok * model.moe_intermediate_size if model.num_experts else 0
+    h, inter = model.hidden_size, max(model.intermediate_size, routed) / tensor
     heads, kv = model.num_heads / tensor, model.num_kv_heads / tensor
     per_token = act * (4 * h + (2 * heads + 2 * kv) * model.head_dim + 4 * inter)
     if model.attention_impl == "xla":
@@ -196,7 +199,7 @@ def plan(config: ml_collections.ConfigDict, num_devices: int, *, backend: str | 
     uses_reference = spec.objective.uses_reference
     reference_kind = spec.reference.kind
 
-    data_parallel = sizes.get("data", 1) * sizes.get("fsdp", 1)
+    data_parallel = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1)  # the batch's split
     micro = spec.train.batch_size // max(spec.train.grad_accum, 1)
     rows = max(micro // data_parallel, 1) * objective.rows_per_example
     length = spec.data.row_length if spec.data.packing and spec.data.row_length else spec.data.max_length

@@ -100,6 +100,11 @@ def test_the_qwen3_8b_preset_has_the_released_model_s_shape():
     config = LlamaConfig(**ARCHITECTURES["qwen3_8b"])
     assert config.num_params() == 8_190_735_360  # from its config.json: 36 layers x 192.9M + 2 x 622.3M tables
     assert config.qk_norm and config.head_dim == 128
+    moe = LlamaConfig(**ARCHITECTURES["qwen3_30b_a3b"])  # the model card's 30.5B total
+    assert moe.num_params() == 30_532_122_624 and all(moe.is_moe(i) for i in range(48))
+    planned = plan(load_config("sft:qwen3_30b_a3b"), 64)  # experts over mesh.expert=8, the batch over all 64
+    assert planned.mesh == {"data": 1, "fsdp": 8, "tensor": 1, "expert": 8} and planned.rows_per_device == 1
+    assert planned.bytes["parameters"] < 30_532_122_624 * 4 / 8 / 3  # the experts (95 %) split 64 ways, not 8
 
 
 def test_cli_plans_an_8b_dpo_run_without_weights(capsys):

