@@ -6,7 +6,7 @@ Set the teacher: a model with the student's tokenizer, e.g. the run folder of
     jaxalign train --config gkd --config.objective.params.teacher=runs/teacher
 
 ``--config.objective.params.seq_kd=True`` replaces the data's completions by the teacher's samples (sequence-level
-KD); ``lmbda=1`` trains on the student's samples only (TRL's ``DistillationTrainer`` default).
+KD); ``lmbda=1`` trains on the student's samples only.
 """
 
 from jaxalign.configs import distill, presets
