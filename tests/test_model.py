@@ -306,6 +306,7 @@ def test_experts_shard_over_an_expert_mesh_axis(tmp_path, mesh8):
     np.testing.assert_allclose(aux, expected_aux, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_mixture_of_experts_trains_logs_its_aux_loss_and_exports(tmp_path):
     """SFT on a Qwen3-MoE checkpoint (toy tokenizer): the load-balancing loss is logged as ``moe/aux_loss``, the
     loss falls, the export loads in transformers with the run's logits; LoRA on the experts is refused with a
