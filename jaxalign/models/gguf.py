@@ -41,10 +41,6 @@ _GGUF_TO_HF = (
 )
 _SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 _SUPPORTED_PRE = ("gpt2", "default", "smollm", "qwen2")
-# the Qwen2 / Qwen3 tokenizers' split (their tokenizer.json; llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2): single
-# digits, letters with one leading non-letter, punctuation runs, newlines and spaces
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-               r"\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def gguf_to_hf_name(name: str) -> str | None:
@@ -160,9 +156,11 @@ def byte_level_pre_tokenizer(pre: str):
     """The ``tokenizers`` pre-tokenizer of a byte-level BPE for GGUF's ``tokenizer.ggml.pre`` name."""
     from tokenizers import Regex, pre_tokenizers
 
-    if pre == "qwen2":
+    if pre == "qwen2":  # the Qwen2 / Qwen3 tokenizers' split, as transformers' Qwen2 tokenizer defines it
+        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":

@@ -330,9 +330,10 @@ def expert_names(config: LlamaConfig, template: str) -> list[str]:
 _FUSED = {"phi3": {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}}
 
 
-def fused_rows(config: LlamaConfig, name: str) -> tuple[str, int, int] | None:
+def fused_rows(config: LlamaConfig, name: str) -> tuple[str, int, int, int] | None:
     """For a per-projection HF name (``...self_attn.k_proj.weight``) of an architecture that fuses it, the fused
-    tensor's name and the part's rows ``[start, stop)``; None when the tensor is stored on its own."""
+    tensor's name, the part's rows ``[start, stop)`` and the fused tensor's row count; None when the tensor is
+    stored on its own."""
     for fused, parts in _FUSED.get(config.architecture, {}).items():
         owner = fused.split(".")[0]
         match = re.fullmatch(rf"model\.layers\.(\d+)\.{owner}\.({'|'.join(parts)})\.weight", name)
@@ -341,17 +342,9 @@ def fused_rows(config: LlamaConfig, name: str) -> tuple[str, int, int] | None:
             rows = {"q_proj": config.num_heads * hd, "k_proj": config.num_kv_heads * hd,
                     "v_proj": config.num_kv_heads * hd, "gate_proj": f, "up_proj": f}
             start = sum(rows[p] for p in parts[:parts.index(match.group(2))])
-            return f"model.layers.{match.group(1)}.{fused}.weight", start, start + rows[match.group(2)]
+            return (f"model.layers.{match.group(1)}.{fused}.weight", start, start + rows[match.group(2)],
+                    sum(rows[p] for p in parts))
     return None
-
-
-def fused_shape(config: LlamaConfig, fused_name: str) -> tuple[int, int]:
-    """The ``[rows, hidden]`` shape of a fused tensor (all its parts stacked)."""
-    parts = next(p for f, p in _FUSED[config.architecture].items() if fused_name.endswith(f"{f}.weight"))
-    layer = fused_name.split(".")[2]
-    owner = fused_name.split(".")[3]
-    stops = [fused_rows(config, f"model.layers.{layer}.{owner}.{p}.weight")[2] for p in parts]
-    return max(stops), config.hidden_size
 
 
 def hf_layout(path: tuple) -> tuple[str, str]:
@@ -497,7 +490,7 @@ def check_weights(files: Mapping[str, TensorEntry], config: LlamaConfig, folder:
         if kind == "experts":
             checks = [(n, hf_shape("linear:1", tuple(variable.shape[1:]))) for n in expert_names(config, name)]
         elif (fused := fused_rows(config, name)) is not None:
-            checks = [(fused[0], fused_shape(config, fused[0]))]
+            checks = [(fused[0], (fused[3], config.hidden_size))]
         else:
             checks = [(arch_name(config, name), hf_shape(kind, tuple(variable.shape)))]
         for name, expected in checks:
@@ -614,7 +607,7 @@ def save_hf(model: LlamaForCausalLM, path: str | os.PathLike, *, max_shard_size:
         elif (fused := fused_rows(config, name)) is not None:
             parts = pending.setdefault(fused[0], {})
             parts[fused[1]] = to_hf(kind, array)
-            if sum(len(p) for p in parts.values()) < fused_shape(config, fused[0])[0]:
+            if sum(len(p) for p in parts.values()) < fused[3]:
                 continue
             items = [(fused[0], np.concatenate([parts[start] for start in sorted(parts)]))]
             del pending[fused[0]]

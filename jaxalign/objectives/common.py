@@ -116,19 +116,16 @@ def policy_token_logps(model, tokens: jax.Array, attention_mask: jax.Array, loss
     hidden, _ = model.hidden_states(None if inputs_embeds is not None else tokens, attention_mask,
                                     inputs_embeds=inputs_embeds, segment_ids=segment_ids)
     chunk_size = resolve_chunk_size(chunk_size, tokens.shape[0], tokens.shape[1], model.config.vocab_size)
+    # the temperature divides the logits: through a linear head that is dividing the hidden states; a soft-capped
+    # head is not linear, so there it divides the capped logits (as TRL divides the model's logits)
     cap = model.config.final_softcap
-    if cap:  # a soft-capped head is not linear: the temperature divides the capped logits, as TRL divides them
-        if chunk_size > 0:
-            logps = token_logps_from_hidden(hidden, model.head_kernel(), tokens, loss_mask, chunk_size=chunk_size,
-                                            softcap=cap, logit_scale=1.0 / temperature)
-        else:
-            logps = token_logps(model.unembed(hidden) / temperature, tokens, loss_mask)
-        return (logps, hidden) if return_hidden else logps
-    scaled = hidden if temperature == 1.0 else hidden / jnp.asarray(temperature, hidden.dtype)  # a linear head
+    after = temperature if cap else 1.0
+    scaled = hidden if temperature == 1.0 or cap else hidden / jnp.asarray(temperature, hidden.dtype)
     if chunk_size > 0:
-        logps = token_logps_from_hidden(scaled, model.head_kernel(), tokens, loss_mask, chunk_size=chunk_size)
+        logps = token_logps_from_hidden(scaled, model.head_kernel(), tokens, loss_mask, chunk_size=chunk_size,
+                                        softcap=cap, logit_scale=1.0 / after)
     else:
-        logps = token_logps(model.unembed(scaled), tokens, loss_mask)
+        logps = token_logps(model.unembed(scaled) / after, tokens, loss_mask)
     return (logps, hidden) if return_hidden else logps
 
 

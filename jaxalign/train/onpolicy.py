@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxalign.data.batching import bucket_length, default_buckets
+from jaxalign.data.batching import bucket_length, default_buckets, pad_batch
 from jaxalign.data.tokenize import padding_id
 from jaxalign.parallel.distributed import gather_rows, to_host
 from jaxalign.sampling.generate import left_pad, sample
@@ -67,19 +67,13 @@ def completion_rows(prompt_ids: np.ndarray, prompt_mask: np.ndarray, completion:
     """Right-padded rows ``prompt + completion[:length]`` from left-padded prompts ``[N, P]`` and sampled
     completions ``[N, M]`` (``lengths`` up to and including EOS), cut to ``max_length`` tokens, padded to the
     smallest of ``buckets`` that holds the longest; ``loss_mask`` 1 on the completion's tokens only."""
-    rows, masks = [], []
+    examples = []
     for ids, mask, new, length in zip(prompt_ids, prompt_mask, completion, lengths, strict=True):
         prompt = ids[mask.astype(bool)]
         row = np.concatenate([prompt, new[:int(length)]])[:max_length]
-        rows.append(row)
-        masks.append((np.arange(len(row)) >= len(prompt)).astype(np.int32))
-    width = bucket_length(max(len(r) for r in rows), buckets)
-    tokens = np.full((len(rows), width), pad_id, np.int32)
-    attention = np.zeros((len(rows), width), np.int32)
-    loss = np.zeros((len(rows), width), np.int32)
-    for i, (row, mask) in enumerate(zip(rows, masks, strict=True)):
-        tokens[i, :len(row)], attention[i, :len(row)], loss[i, :len(row)] = row, 1, mask
-    return {"tokens": tokens, "attention_mask": attention, "loss_mask": loss}
+        examples.append({"tokens": row, "loss_mask": (np.arange(len(row)) >= len(prompt)).astype(np.int32)})
+    width = bucket_length(max(len(e["tokens"]) for e in examples), buckets)
+    return pad_batch(examples, "sft", width, pad_id)
 
 
 class GKDBatches:

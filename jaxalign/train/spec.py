@@ -370,7 +370,7 @@ class MeshSpec:
     def data_parallel(self, num_devices: int) -> int:
         fixed = math.prod(s for s in self.shape.values() if s != -1)
         size = lambda axis: num_devices // fixed if getattr(self, axis) == -1 else getattr(self, axis)
-        return size("data") * size("fsdp") * (size("expert") if "expert" in self.shape else 1)
+        return size("data") * size("fsdp") * size("expert")
 
     def problems(self, run: RunSpec, num_devices: int) -> list[str]:
         mesh = self.shape
