@@ -22,7 +22,7 @@ def get_config(arg=None):
     # The policy: a Hugging Face folder or .gguf file (`path`), or a randomly initialised `preset` of model.shape.
     config.model = ml_collections.ConfigDict(dict(
         path="", preset="tiny", dtype="float32", param_dtype="float32", attention_impl="xla", remat=False,
-        remat_policy="nothing"))
+        remat_policy="nothing", scan_layers="auto"))
     config.model.shape = ml_collections.ConfigDict(dict(
         vocab_size=320, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2))
     config.tokenizer = ""  # "" = the model's own; "toy" = the built-in byte-level ChatML tokenizer

@@ -21,6 +21,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # XLA's choice of kernel; "cudnn": its cuDNN flash-attention kernel (NVIDIA GPUs, bf16/fp16).
 ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
 REMAT_POLICIES = ("nothing", "dots", "dots_no_batch")
+# ``scan_layers=None`` (auto) scans decoders with more than this many layers and unrolls the smaller ones.
+SCAN_MIN_LAYERS = 4
 
 
 # Sane bounds for a decoder's sizes (far above any released model), checked before anything is built.
@@ -104,6 +106,7 @@ class LlamaConfig:
     attention_impl: str = "xla"
     remat: bool = False
     remat_policy: str = "nothing"  # with remat: what each layer keeps (models.llama.REMAT_POLICIES)
+    scan_layers: bool | None = None  # run repeated layers under lax.scan; None: when num_layers > SCAN_MIN_LAYERS
     dtype: str = "float32"
     param_dtype: str = "float32"
     bos_token_id: int | None = None
@@ -183,6 +186,11 @@ class LlamaConfig:
 
     def replace(self, **changes) -> LlamaConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def scans(self) -> bool:
+        """Whether the forward pass runs the decoder's repeated layers under ``lax.scan`` (``scan_layers``)."""
+        return self.num_layers > SCAN_MIN_LAYERS if self.scan_layers is None else bool(self.scan_layers)
 
     def layer_window(self, layer: int) -> int:
         """Sliding-window size of ``layer`` (0 = full attention)."""

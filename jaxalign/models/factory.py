@@ -7,16 +7,18 @@ twice and no full copy lives on one device.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.core import spmd as flax_spmd
 from jax.sharding import Mesh, NamedSharding
 
 from jaxalign.models.config import LlamaConfig
-from jaxalign.models.llama import LlamaForCausalLM
+from jaxalign.models.llama import LlamaForCausalLM, layer_paths
 from jaxalign.parallel.mesh import DEFAULT_RULES, Rules, active_rules, logical_sharding
 
 
@@ -67,19 +69,40 @@ def build_model(config: LlamaConfig, load_tensor: Callable[[tuple, tuple[int, ..
     """Model whose parameters come from ``load_tensor(path, shape) -> np.ndarray``, one tensor at a time.
 
     With ``mesh`` each tensor goes straight to its sharding (every device takes only its slice of the
-    host array), so at most one full tensor is in host memory at once.
+    host array), so at most one full tensor is in host memory at once. ``path`` is always a per-layer path
+    (``("layers", i, ...)``): a scanned model's stacked weight is filled one layer at a time, in place.
     """
     graphdef, state = nnx.split(abstract_model(config))
     for path, variable in nnx.to_flat_state(state):
         shape = tuple(variable.get_value().shape)
         dtype = variable.get_value().dtype
-        array = np.asarray(load_tensor(path, shape))
-        if array.shape != shape:
-            raise ValueError(f"parameter {'.'.join(map(str, path))}: loaded shape {array.shape}, expected {shape}")
-        array = array.astype(dtype)
-        if mesh is None:
-            variable.set_value(jax.device_put(array))
-        else:
-            sharding = logical_sharding(logical_axes(variable), shape, mesh, rules)
-            variable.set_value(jax.make_array_from_callback(shape, sharding, lambda index, a=array: a[index]))
+        sharding = None if mesh is None else logical_sharding(logical_axes(variable), shape, mesh, rules)
+        parts = layer_paths(config, path)
+        if parts[0][1] is None:
+            variable.set_value(_place(_loaded(load_tensor, path, shape, dtype), shape, sharding))
+            continue
+        stacked = jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)()
+        for layer_path, index in parts:
+            layer = _loaded(load_tensor, layer_path, shape[1:], dtype)
+            stacked = _write_layer(stacked, _place(layer[None], (1, *shape[1:]), sharding), index)
+        variable.set_value(stacked)
     return nnx.merge(graphdef, state)
+
+
+def _loaded(load_tensor, path: tuple, shape: tuple[int, ...], dtype) -> np.ndarray:
+    array = np.asarray(load_tensor(path, shape))
+    if array.shape != shape:
+        raise ValueError(f"parameter {'.'.join(map(str, path))}: loaded shape {array.shape}, expected {shape}")
+    return array.astype(dtype)
+
+
+def _place(array: np.ndarray, shape: tuple[int, ...], sharding) -> jax.Array:
+    if sharding is None:
+        return jax.device_put(array)
+    return jax.make_array_from_callback(shape, sharding, lambda index: array[index])
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_layer(stacked: jax.Array, layer: jax.Array, index: int) -> jax.Array:
+    """``stacked`` with ``layer`` ``[1, ...]`` written at ``index`` of its leading axis, in place (donated)."""
+    return jax.lax.dynamic_update_slice_in_dim(stacked, layer, index, 0)

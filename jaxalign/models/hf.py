@@ -17,7 +17,7 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from safetensors.numpy import save_file
 
 from jaxalign.models.config import SUPPORTED_ARCHITECTURES, LlamaConfig, RopeScaling
 from jaxalign.models.factory import abstract_model, build_model
-from jaxalign.models.llama import LlamaForCausalLM
+from jaxalign.models.llama import LlamaForCausalLM, layer_paths
 from jaxalign.parallel.mesh import Rules
 
 _HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -482,17 +482,35 @@ def new_score_head(shape: tuple[int, ...], seed: int) -> np.ndarray:
     return (0.02 * np.random.default_rng([seed, 7]).standard_normal(shape)).astype(np.float32)
 
 
+def per_layer_shapes(config: LlamaConfig) -> Iterator[tuple[tuple, tuple[int, ...]]]:
+    """``(path, shape)`` of every parameter of a ``config`` model, per layer (``("layers", i, ...)``) whether or not
+    the model stacks its layers (``scan_layers``)."""
+    for path, variable in nnx.to_flat_state(nnx.state(abstract_model(config), nnx.Param)):
+        shape = tuple(variable.shape)
+        for layer_path, index in layer_paths(config, path):
+            yield layer_path, shape if index is None else shape[1:]
+
+
+def per_layer_arrays(model: LlamaForCausalLM) -> Iterator[tuple[tuple, np.ndarray]]:
+    """``(path, host array)`` of every parameter of ``model``, per layer; each weight is gathered to the host once
+    (a stacked one, then sliced there)."""
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        array = np.asarray(jax.device_get(variable.get_value()))
+        for layer_path, index in layer_paths(model.config, path):
+            yield layer_path, array if index is None else array[index]
+
+
 def check_weights(files: Mapping[str, TensorEntry], config: LlamaConfig, folder: Path) -> None:
     """Every tensor ``config`` needs is in ``files`` with the shape it needs and a floating-point dtype (a reward
     model's ``score`` head may be missing: a causal LM becoming a reward model gets a new one)."""
-    for our_path, variable in nnx.to_flat_state(nnx.state(abstract_model(config), nnx.Param)):
+    for our_path, shape in per_layer_shapes(config):
         name, kind = hf_layout(our_path)
         if kind == "experts":
-            checks = [(n, hf_shape("linear:1", tuple(variable.shape[1:]))) for n in expert_names(config, name)]
+            checks = [(n, hf_shape("linear:1", shape[1:])) for n in expert_names(config, name)]
         elif (fused := fused_rows(config, name)) is not None:
             checks = [(fused[0], (fused[3], config.hidden_size))]
         else:
-            checks = [(arch_name(config, name), hf_shape(kind, tuple(variable.shape)))]
+            checks = [(arch_name(config, name), hf_shape(kind, shape))]
         for name, expected in checks:
             entry = files.get(name)
             if entry is None and name == "score.weight":
@@ -599,9 +617,8 @@ def save_hf(model: LlamaForCausalLM, path: str | os.PathLike, *, max_shard_size:
     shards: list[dict[str, np.ndarray]] = [{}]
     shard_bytes = 0
     pending: dict[str, dict[int, np.ndarray]] = {}  # fused tensors (Phi-3) until all their parts are read
-    for our_path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    for our_path, array in per_layer_arrays(model):
         name, kind = hf_layout(our_path)
-        array = np.asarray(jax.device_get(variable.get_value()))
         if kind == "experts":
             items = [(n, to_hf("linear:1", array[e])) for e, n in enumerate(expert_names(config, name))]
         elif (fused := fused_rows(config, name)) is not None:

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxalign.models.config import LlamaConfig
@@ -36,23 +37,23 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 class KVCache(NamedTuple):
-    """Decoding state: per-layer keys/values ``[B, kv_heads, S, head_dim]`` (head-major) in slot order.
+    """Decoding state: every layer's keys/values stacked, ``[layers, B, kv_heads, S, head_dim]`` (head-major) in
+    slot order; a decode step writes each layer's new slots in place, scanned or not.
 
     ``valid [B, S]`` marks slots holding real tokens, ``index`` is the number of slots written (the same
     for every row), ``lengths [B]`` the number of real tokens seen per row (the next position).
     """
 
-    keys: tuple[jax.Array, ...]
-    values: tuple[jax.Array, ...]
+    keys: jax.Array
+    values: jax.Array
     valid: jax.Array
     index: jax.Array
     lengths: jax.Array
 
     @classmethod
     def init(cls, config: LlamaConfig, batch_size: int, max_length: int) -> KVCache:
-        shape = (batch_size, config.num_kv_heads, max_length, config.head_dim)
-        zeros = tuple(jnp.zeros(shape, config.dtype) for _ in range(config.num_layers))
-        return cls(keys=zeros, values=tuple(jnp.zeros(shape, config.dtype) for _ in range(config.num_layers)),
+        shape = (config.num_layers, batch_size, config.num_kv_heads, max_length, config.head_dim)
+        return cls(keys=jnp.zeros(shape, config.dtype), values=jnp.zeros(shape, config.dtype),
                    valid=jnp.zeros((batch_size, max_length), bool), index=jnp.zeros((), jnp.int32),
                    lengths=jnp.zeros((batch_size,), jnp.int32))
 
@@ -170,16 +171,23 @@ class Attention(nnx.Module):
         return y
 
     def __call__(self, x, cos, sin, mask, cache_kv=None, cache_index=None):
-        """x ``[B,T,D]``; mask ``[B,T,S]`` bool over the S key slots; ``cache_kv`` = (keys, values) or None."""
+        """x ``[B,T,D]``; mask ``[B,T,S]`` bool over the S key slots; ``cache_kv``: None, or ``(keys, values,
+        layer)`` with every layer's stacked cache (``KVCache.keys``) and this layer's index in it (an int, or traced
+        under ``lax.scan``): the new keys and values are written at slot ``cache_index`` of that layer and the
+        updated stacks returned."""
         cfg = self.config
         q = apply_rotary(self._project(x, "q"), cos, sin)
         k = apply_rotary(self._project(x, "k"), cos, sin)
         v = self._project(x, "v")
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, kv_heads, T, head_dim]
         if cache_kv is not None:  # the cache is head-major too, so no decode step transposes all of it
-            keys = jax.lax.dynamic_update_slice_in_dim(cache_kv[0], k.astype(cache_kv[0].dtype), cache_index, 2)
-            values = jax.lax.dynamic_update_slice_in_dim(cache_kv[1], v.astype(cache_kv[1].dtype), cache_index, 2)
-            k, v, new_kv = keys.astype(x.dtype), values.astype(x.dtype), (keys, values)
+            keys, values, layer = cache_kv
+            at = (layer, 0, 0, cache_index, 0)
+            keys = jax.lax.dynamic_update_slice(keys, k[None].astype(keys.dtype), at)
+            values = jax.lax.dynamic_update_slice(values, v[None].astype(values.dtype), at)
+            k = jax.lax.dynamic_index_in_dim(keys, layer, 0, keepdims=False).astype(x.dtype)
+            v = jax.lax.dynamic_index_in_dim(values, layer, 0, keepdims=False).astype(x.dtype)
+            new_kv = (keys, values)
         else:
             new_kv = None
         batch, length = x.shape[:2]
@@ -378,6 +386,154 @@ def _call_layer(layer, *args):
     return layer(*args)
 
 
+def layer_plan(config: LlamaConfig) -> tuple[int, int, int]:
+    """``(prefix, period, blocks)``: how a scanned decoder (``config.scans``) stores and runs its layers: the first
+    ``prefix`` layers one by one, then ``blocks`` consecutive blocks of ``period`` layers that are alike block for
+    block (the same attention window, rotary base and dense/sparse MLP at each position of the block: Gemma 2
+    alternates sliding and global layers, period 2; Gemma 3 has five sliding layers per global one, period 6),
+    stacked and run by one ``lax.scan``, then the rest one by one. Among the cuts with at least two blocks it takes
+    the one with the fewest layers to compile (``prefix + period + rest``), ties to the shortest prefix, then
+    period. ``(num_layers, 0, 0)``: nothing stacked (unscanned, or no layer repeats)."""
+    n = config.num_layers
+    best = (n, 0, 0)
+    if not config.scans:
+        return best
+    signature = [(config.layer_window(i), config.local_rope(i), config.is_moe(i)) for i in range(n)]
+
+    def cost(plan):  # layers to compile: all but the blocks after the first
+        _, period, blocks = plan
+        return n - (blocks - 1) * period
+
+    for prefix in range(n - 1):
+        for period in range(1, (n - prefix) // 2 + 1):
+            plan = (prefix, period, (n - prefix) // period)
+            if cost(plan) < cost(best) and all(signature[i] == signature[i + period]
+                                               for i in range(prefix, prefix + (plan[2] - 1) * period)):
+                best = plan
+    return best
+
+
+def layer_paths(config: LlamaConfig, path: tuple) -> list[tuple[tuple, int | None]]:
+    """The per-layer state paths ``("layers", i, ...)`` that the state path ``path`` holds, each with its index in
+    the stacked axis (None: not stacked). A stacked block's ``("layers", "blocks", j, ...)`` holds one layer per
+    block; every other path holds itself."""
+    if len(path) < 3 or path[0] != "layers" or path[1] not in ("head", "blocks", "tail"):
+        return [(path, None)]
+    prefix, period, blocks = layer_plan(config)
+    part, index, rest = path[1], path[2], path[3:]
+    if part == "blocks":
+        return [(("layers", prefix + b * period + index, *rest), b) for b in range(blocks)]
+    return [(("layers", index if part == "head" else prefix + period * blocks + index, *rest), None)]
+
+
+def _is_layer_tree(tree) -> bool:
+    return isinstance(tree, dict) and isinstance(tree.get("layers"), dict) and "blocks" in tree["layers"]
+
+
+def _take(leaf, b: int):
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        sharding = leaf.sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=sharding)
+    return leaf[b]
+
+
+def _stack(leaves):
+    first = leaves[0]
+    if isinstance(first, jax.ShapeDtypeStruct):
+        sharding = first.sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
+        return jax.ShapeDtypeStruct((len(leaves), *first.shape), first.dtype, sharding=sharding)
+    return np.stack(leaves) if isinstance(first, np.ndarray) else jnp.stack(leaves)
+
+
+def unstack_layers(config: LlamaConfig, tree):
+    """``tree`` (a model-state pure dict, or any pytree holding such dicts: optimizer moments, adapters) with every
+    stacked layer tree in per-layer form, ``{"layers": {0: ..., 1: ...}}``, the layout of an unscanned model and of
+    the checkpoints on disk. Leaves may be arrays or ``ShapeDtypeStruct``; trees already per layer are returned as
+    they are."""
+    prefix, period, blocks = layer_plan(config)
+
+    def convert(node):
+        if not _is_layer_tree(node):
+            return node
+        source, layers = node["layers"], {}
+        layers.update(source.get("head", {}))
+        for j, sub in source["blocks"].items():
+            for b in range(blocks):
+                layers[prefix + b * period + j] = jax.tree.map(lambda leaf, b=b: _take(leaf, b), sub)
+        for k, sub in source.get("tail", {}).items():
+            layers[prefix + period * blocks + k] = sub
+        return {**node, "layers": dict(sorted(layers.items()))}
+
+    return jax.tree.map(convert, tree, is_leaf=_is_layer_tree)
+
+
+def stack_layers(config: LlamaConfig, tree):
+    """The inverse of ``unstack_layers``: the per-layer trees of ``tree`` in the layout of a scanned model of
+    ``config`` (unchanged when ``config`` stacks nothing)."""
+    prefix, period, blocks = layer_plan(config)
+    if not blocks:
+        return tree
+
+    def per_layer(node):
+        return (isinstance(node, dict) and isinstance(node.get("layers"), dict)
+                and all(isinstance(k, int) for k in node["layers"]) and bool(node["layers"]))
+
+    def convert(node):
+        if not per_layer(node):
+            return node
+        source = node["layers"]
+        stacked = {"blocks": {j: jax.tree.map(lambda *leaves: _stack(leaves),
+                                              *[source[prefix + b * period + j] for b in range(blocks)])
+                              for j in range(period) if prefix + j in source}}
+        head = {i: source[i] for i in range(prefix) if i in source}
+        tail = {k: source[prefix + period * blocks + k] for k in range(config.num_layers - prefix - period * blocks)
+                if prefix + period * blocks + k in source}
+        return {**node, "layers": {**({"head": head} if head else {}), **stacked, **({"tail": tail} if tail else {})}}
+
+    return jax.tree.map(convert, tree, is_leaf=per_layer)
+
+
+def other_layer_layout(config: LlamaConfig):
+    """``(to_other, to_this)``: pytree converters between the layer layout of a ``config`` model and the one it
+    would have with ``scan_layers`` the other way (for checkpoints saved either way); None when both are per layer."""
+    other = config.replace(scan_layers=not config.scans)
+    if layer_plan(config)[2]:
+        return (lambda tree: unstack_layers(config, tree)), (lambda tree: stack_layers(config, tree))
+    if layer_plan(other)[2]:
+        return (lambda tree: stack_layers(other, tree)), (lambda tree: unstack_layers(other, tree))
+    return None
+
+
+def stack_modules(modules: list[nnx.Module]) -> nnx.Module:
+    """One module of ``modules[0]``'s structure whose every variable stacks the modules' values on a new leading
+    axis (logical name ``layers``, not sharded)."""
+    graphdef = nnx.graphdef(modules[0])
+
+    def stacked(*variables):
+        axes = variables[0].get_metadata().get("out_sharding")
+        value = jnp.stack([v.get_value() for v in variables])
+        return variables[0].replace(value=value, **({"out_sharding": ("layers", *axes)} if axes else {}))
+
+    states = [nnx.state(module) for module in modules]
+    return nnx.merge(graphdef, jax.tree.map(stacked, *states, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+class StackedLayers(nnx.Module):
+    """A scanned decoder's layers as ``layer_plan`` cuts them: ``head`` and ``tail`` hold layers one by one,
+    ``blocks[j]`` the ``j``-th layer of every block, its variables stacked ``[blocks, ...]``."""
+
+    def __init__(self, config: LlamaConfig, layers: list[DecoderLayer]):
+        prefix, period, blocks = layer_plan(config)
+        self.head = nnx.List(layers[:prefix])
+        self.blocks = nnx.List([stack_modules(layers[prefix + j:prefix + period * blocks:period])
+                                for j in range(period)])
+        self.tail = nnx.List(layers[prefix + period * blocks:])
+
+
 # What a rematerialised layer keeps for the backward pass (``LlamaConfig.remat_policy``): "nothing" recomputes the
 # whole layer (least memory); "dots" keeps every matmul output (least recomputation); "dots_no_batch" keeps the
 # projections' outputs but not the attention score matmuls (whose size grows with the sequence squared).
@@ -400,12 +556,25 @@ class LlamaForCausalLM(nnx.Module):
         self.config = config
         d, v, pd = config.hidden_size, config.vocab_size, config.param_dtype
         self.embed_tokens = _param(rngs, (v, d), ("vocab", "embed"), pd, d ** -0.5)
-        self.layers = nnx.List([DecoderLayer(config, i, rngs) for i in range(config.num_layers)])
+        layers = [DecoderLayer(config, i, rngs) for i in range(config.num_layers)]  # the same draws scanned or not
+        self.layers = StackedLayers(config, layers) if layer_plan(config)[2] else nnx.List(layers)
         self.norm = norm(config, d, rngs)
         if config.num_labels:  # a reward model: transformers' ``score`` (normal(0, 0.02) init), no LM head
             self.score = _param(rngs, (d, config.num_labels), ("embed", None), pd, 0.02)
         elif not config.tie_word_embeddings:
             self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), pd, d ** -0.5)
+
+    def layer(self, i: int) -> DecoderLayer:
+        """Layer ``i`` as a module of its own (an unscanned model's, or a scanned model's head or tail layer; a
+        stacked layer's weights live in ``layers.blocks``)."""
+        if isinstance(self.layers, nnx.List):
+            return self.layers[i]
+        prefix, period, blocks = layer_plan(self.config)
+        if i < prefix:
+            return self.layers.head[i]
+        if i >= prefix + period * blocks:
+            return self.layers.tail[i - prefix - period * blocks]
+        raise ValueError(f"layer {i} is stacked in layers.blocks[{(i - prefix) % period}] (scan_layers)")
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """Token embeddings ``[B, T, D]`` in the compute dtype."""
@@ -447,6 +616,57 @@ class LlamaForCausalLM(nnx.Module):
         pooled = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
         return jnp.dot(pooled.astype(jnp.float32), self.score[...].astype(jnp.float32))[:, 0]
 
+    def _layers(self, x: jax.Array, inputs, stats_of, kv):
+        """Runs the decoder layers on ``x``; ``kv``: None or ``(keys, values, index)`` of the KV cache.
+
+        One by one, or in a scanned model (``StackedLayers``) the head layers one by one, the stacked blocks by one
+        ``lax.scan`` over their stacked weights (the cache stays in the scan's carry and each layer writes its new
+        slots in place), then the tail layers. The same math either way. With ``remat`` (training, no cache) each
+        layer run one by one, and each scanned block, is rematerialised under the policy. Returns the hidden states,
+        the sparse layers' router statistics (without a cache; summed per block) and the updated ``(keys, values)``
+        stacks (or None)."""
+        cfg = self.config
+        remat = cfg.remat and kv is None
+        cache, stats = None if kv is None else kv[:2], []
+
+        def layer_call(run, layer, i, slot, x, cache):  # i: the layer's place (static); slot: its index in the cache
+            x, cache, router = run(layer, x, *inputs(i), None if cache is None else (*cache, slot),
+                                   None if kv is None else kv[2])
+            return x, cache, None if router is None or kv is not None else stats_of(router)
+
+        def unrolled(x, cache, indices):
+            run = _remat_layers[cfg.remat_policy] if remat else _call_layer
+            for i in indices:
+                x, cache, layer_stats = layer_call(run, self.layer(i), i, i, x, cache)
+                if layer_stats is not None:
+                    stats.append(layer_stats)
+            return x, cache
+
+        prefix, period, blocks = layer_plan(cfg)
+        if not blocks:
+            x, cache = unrolled(x, cache, range(cfg.num_layers))
+            return x, stats, cache
+        x, cache = unrolled(x, cache, range(prefix))
+        graphdefs, stacked = zip(*(nnx.split(template) for template in self.layers.blocks), strict=True)
+
+        def block(carry, xs):
+            (x, cache), (states, b) = carry, xs
+            block_stats = []
+            for j, (graphdef, state) in enumerate(zip(graphdefs, states, strict=True)):
+                x, cache, layer_stats = layer_call(_call_layer, nnx.merge(graphdef, state), prefix + j,
+                                                   prefix + b * period + j, x, cache)
+                if layer_stats is not None:
+                    block_stats.append(layer_stats)
+            return (x, cache), sum(block_stats) if block_stats else None
+
+        if remat:  # the block as a whole (a remat per layer inside a scan body would add barriers)
+            block = jax.checkpoint(block, policy=_POLICIES[cfg.remat_policy], prevent_cse=False)
+        (x, cache), block_stats = jax.lax.scan(block, (x, cache), (stacked, jnp.arange(blocks)))
+        if block_stats is not None:
+            stats.append(block_stats.sum(axis=0))
+        x, cache = unrolled(x, cache, range(prefix + period * blocks, cfg.num_layers))
+        return x, stats, cache
+
     def hidden_states(
         self,
         tokens: jax.Array | None = None,
@@ -483,30 +703,24 @@ class LlamaForCausalLM(nnx.Module):
 
         tables = {local: rotary_tables(self.config, positions, local)
                   for local in {self.config.local_rope(i) for i in range(self.config.num_layers)}}
+        masks = {window: _attention_mask(slots, k_slots, k_valid, segment_ids, k_segments, window)
+                 for window in {self.config.layer_window(i) for i in range(self.config.num_layers)}}
         x = constrain(x, ("batch", "length", "act_embed"))
-        run_layer = _remat_layers[self.config.remat_policy] if self.config.remat and cache is None else _call_layer
-        masks: dict[int, jax.Array] = {}
-        new_keys, new_values, stats = [], [], []
-        for i, layer in enumerate(self.layers):
-            window = self.config.layer_window(i)
-            if window not in masks:
-                masks[window] = _attention_mask(slots, k_slots, k_valid, segment_ids, k_segments, window)
-            cache_kv = None if cache is None else (cache.keys[i], cache.values[i])
-            cos, sin = tables[self.config.local_rope(i)]
-            x, new_kv, router = run_layer(layer, x, cos, sin, masks[window], cache_kv,
-                                          None if cache is None else cache.index)
-            if router is not None and cache is None:
-                stats.append(router_stats(router, attention_mask, self.config.num_experts_per_tok))
-            if new_kv is not None:
-                new_keys.append(new_kv[0])
-                new_values.append(new_kv[1])
+
+        def inputs(i):  # what layer i reads besides the hidden states: its rotary tables and mask
+            return (*tables[self.config.local_rope(i)], masks[self.config.layer_window(i)])
+
+        def stats_of(router):  # a sparse layer's load-balancing statistics; None for a dense layer
+            return None if router is None else router_stats(router, attention_mask, self.config.num_experts_per_tok)
+
+        kv = None if cache is None else (cache.keys, cache.values, cache.index)
+        x, stats, kv = self._layers(x, inputs, stats_of, kv)
         hidden = self.norm(x)
         if stats and (sink := _ROUTER_SINK.get()) is not None:  # the load-balancing loss' inputs
             sink.append((self, sum(stats)))
         if cache is None:
             return hidden, None
-        new_cache = KVCache(keys=tuple(new_keys), values=tuple(new_values), valid=k_valid,
-                            index=cache.index + length,
+        new_cache = KVCache(keys=kv[0], values=kv[1], valid=k_valid, index=cache.index + length,
                             lengths=cache.lengths + attention_mask.sum(axis=1, dtype=jnp.int32))
         return hidden, new_cache
 

@@ -38,7 +38,7 @@ from jax.sharding import Mesh
 from jaxalign.models.config import LlamaConfig
 from jaxalign.models.factory import abstract_model, eval_shape, logical_axes, param_shardings
 from jaxalign.models.hf import fused_rows, hf_layout, to_hf
-from jaxalign.models.llama import LlamaForCausalLM
+from jaxalign.models.llama import LlamaForCausalLM, layer_plan, stack_layers, stack_modules, unstack_layers
 from jaxalign.parallel.mesh import Rules
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -80,7 +80,7 @@ class LoRAConfig:
 class LoRA(nnx.Module):
     """The low-rank update of one kernel: ``x [..., *in] -> (α/r)·dropout(x)·A·B  [..., *out]``."""
 
-    def __init__(self, in_shape, in_axes, out_shape, out_axes, lora: LoRAConfig, index: int, rngs: nnx.Rngs):
+    def __init__(self, in_shape, in_axes, out_shape, out_axes, lora: LoRAConfig, rngs: nnx.Rngs):
         fan_in = math.prod(in_shape)
         bound = 1.0 / math.sqrt(fan_in)
         a = jax.random.uniform(rngs.params(), (*in_shape, lora.rank), jnp.float32, -bound, bound)
@@ -89,7 +89,6 @@ class LoRA(nnx.Module):
                                     out_sharding=("lora_rank", *out_axes), eager_sharding=False)
         self.scale = lora.scale
         self.dropout = lora.dropout
-        self.index = index
         self.dropout_key = nnx.data(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -121,15 +120,43 @@ def attach(model: LlamaForCausalLM, lora: LoRAConfig, rngs: nnx.Rngs) -> LlamaFo
         raise ValueError(f"LoRA targets {', '.join(mlp_targets)} cannot adapt the experts of the mixture-of-experts "
                          f"layers ({len(sparse)} of {model.config.num_layers}); set lora.target_modules to attention "
                          f"projections ({','.join(ATTENTION_TARGETS)})")
-    for i, layer in enumerate(model.layers):
+    made = {}  # (layer, target) -> adapter, drawn in layer order (the same adapters scanned or not)
+    for i in range(model.config.num_layers):
         for name in lora.targets:
-            owner = _owner(layer, name)
-            kernel = getattr(owner, name)
+            layer = _layer_module(model, i)
+            kernel = getattr(_owner(layer, name), name)
             shape, axes = kernel.get_value().shape, logical_axes(kernel)
+            if not isinstance(model.layers, nnx.List) and _is_stacked(model, i):
+                shape, axes = shape[1:], axes[1:]
             n_in = _INPUT_DIMS.get(name, 1)
-            setattr(owner, f"{name}_lora", LoRA(shape[:n_in], axes[:n_in], shape[n_in:], axes[n_in:], lora,
-                                                index=i * len(TARGETS) + TARGETS.index(name), rngs=rngs))
+            made[i, name] = LoRA(shape[:n_in], axes[:n_in], shape[n_in:], axes[n_in:], lora, rngs)
+    for owner_layer, layer_indices in _layer_groups(model):
+        for name in lora.targets:
+            adapters = [made[i, name] for i in layer_indices]
+            adapter = stack_modules(adapters) if len(adapters) > 1 else adapters[0]  # a stacked block has >= 2
+            setattr(_owner(owner_layer, name), f"{name}_lora", adapter)
     return model
+
+
+def _is_stacked(model: LlamaForCausalLM, layer: int) -> bool:
+    prefix, period, blocks = layer_plan(model.config)
+    return prefix <= layer < prefix + period * blocks
+
+
+def _layer_module(model: LlamaForCausalLM, layer: int):
+    """The module holding ``layer``'s weights: its own, or its stacked block's (``scan_layers``)."""
+    if _is_stacked(model, layer):
+        prefix, period, _ = layer_plan(model.config)
+        return model.layers.blocks[(layer - prefix) % period]
+    return model.layer(layer)
+
+
+def _layer_groups(model: LlamaForCausalLM) -> list[tuple[Any, list[int]]]:
+    """``(module, layers it holds)`` for every layer module of ``model``: one layer each, or a stacked block's
+    layers in stacking order."""
+    prefix, period, blocks = layer_plan(model.config)
+    return [(_layer_module(model, i), [i]) for i in range(model.config.num_layers) if not _is_stacked(model, i)] + \
+        [(model.layers.blocks[j], [prefix + b * period + j for b in range(blocks)]) for j in range(period)]
 
 
 def abstract_lora_model(config: LlamaConfig, lora: LoRAConfig) -> LlamaForCausalLM:
@@ -186,22 +213,35 @@ def split(model: LlamaForCausalLM) -> tuple[Any, dict, dict]:
     return graphdef, nnx.to_pure_dict(adapters), nnx.to_pure_dict(base)
 
 
-def _adapters_of(model: LlamaForCausalLM) -> Iterator[tuple[int, str, str, LoRA]]:
-    """(layer, owner module name, target name, adapter) for every adapter of ``model``."""
-    for i, layer in enumerate(model.layers):
+def _adapters_of(model: LlamaForCausalLM) -> Iterator[tuple[list[int], str, str, LoRA]]:
+    """(layers, owner module name, target name, adapter) for every adapter module of ``model``: one layer's, or a
+    stacked block's (its variables ``[blocks, ...]``, ``layers`` in stacking order)."""
+    for module, layers in _layer_groups(model):
         for name in TARGETS:
             owner_name = "self_attn" if name in ATTENTION_TARGETS else "mlp"
-            adapter = getattr(getattr(layer, owner_name), f"{name}_lora", None)
+            adapter = getattr(getattr(module, owner_name), f"{name}_lora", None)
             if adapter is not None:
-                yield i, owner_name, name, adapter
+                yield layers, owner_name, name, adapter
+
+
+def _per_layer_adapters(model: LlamaForCausalLM) -> Iterator[tuple[int, str, str, dict]]:
+    """(layer, owner module name, target name, ``{"lora_a", "lora_b"}`` arrays) for every adapted kernel."""
+    adapters = unstack_layers(model.config, nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam)))
+    for i, layer in sorted(adapters.get("layers", {}).items()):
+        for owner, modules in layer.items():
+            for key, adapter in modules.items():
+                yield i, owner, key.removesuffix("_lora"), adapter
 
 
 def set_dropout_key(model: LlamaForCausalLM, key: jax.Array) -> LlamaForCausalLM:
     """Turns on adapter dropout for ``model``'s forward passes (in place; no-op for adapters with dropout 0):
-    each adapter draws its masks from ``fold_in(key, its index)``. Returns ``model``."""
-    for _, _, _, adapter in _adapters_of(model):
+    each adapter draws its masks from ``fold_in(key, layer · len(TARGETS) + target's index in TARGETS)``. The index
+    is not stored in the adapter, so the adapters of every layer share one module structure (``scan_layers``).
+    Returns ``model``."""
+    for layers, _, name, adapter in _adapters_of(model):
         if adapter.dropout > 0:
-            adapter.dropout_key = jax.random.fold_in(key, adapter.index)
+            keys = [jax.random.fold_in(key, i * len(TARGETS) + TARGETS.index(name)) for i in layers]
+            adapter.dropout_key = jnp.stack(keys) if len(layers) > 1 else keys[0]  # a stacked block: one per layer
     return model
 
 
@@ -212,11 +252,14 @@ def without_adapters(model: LlamaForCausalLM) -> LlamaForCausalLM:
 
 def merge_weights(model: LlamaForCausalLM) -> LlamaForCausalLM:
     """A plain model (no adapters) whose target kernels are ``W + (α/r)·A·B``, in the base's dtype."""
-    _, _, base = split(model)
-    for i, owner, name, adapter in _adapters_of(model):
+    config = model.config
+    base = unstack_layers(config, nnx.to_pure_dict(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))))
+    scales = {name: adapter.scale for _, _, name, adapter in _adapters_of(model)}
+    for i, owner, name, adapter in _per_layer_adapters(model):
         kernel = base["layers"][i][owner][name]
-        base["layers"][i][owner][name] = (kernel.astype(jnp.float32) + adapter.delta()).astype(kernel.dtype)
-    return nnx.merge(nnx.split(abstract_model(model.config))[0], base)
+        delta = jnp.tensordot(adapter["lora_a"], adapter["lora_b"], axes=1) * scales[name]
+        base["layers"][i][owner][name] = (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
+    return nnx.merge(nnx.split(abstract_model(config))[0], stack_layers(config, base))
 
 
 def peft_config(lora: LoRAConfig, base_model: str = "") -> dict[str, Any]:
@@ -246,13 +289,13 @@ def save_peft(model: LlamaForCausalLM, lora: LoRAConfig, path: str | os.PathLike
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
-    for i, owner, name, adapter in _adapters_of(model):
+    for i, owner, name, adapter in _per_layer_adapters(model):
         module = hf_layout(("layers", i, owner, name))[0].removesuffix(".weight")
         n_in = _INPUT_DIMS.get(name, 1)
         tensors[f"base_model.model.{module}.lora_A.weight"] = to_hf(
-            f"linear:{n_in}", np.asarray(jax.device_get(adapter.lora_a[...]), np.float32))
+            f"linear:{n_in}", np.asarray(jax.device_get(adapter["lora_a"]), np.float32))
         tensors[f"base_model.model.{module}.lora_B.weight"] = to_hf(
-            "linear:1", np.asarray(jax.device_get(adapter.lora_b[...]), np.float32))
+            "linear:1", np.asarray(jax.device_get(adapter["lora_b"]), np.float32))
     save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     (folder / "adapter_config.json").write_text(json.dumps(peft_config(lora, base_model), indent=2))
     if tokenizer is not None:

@@ -87,10 +87,10 @@ def cache_bucket(length: int) -> int:
 def repeat_rows(cache: KVCache, times: int) -> KVCache:
     """``cache`` with each row repeated ``times`` times (rows ``b*times + s``): one prefill serving several
     samples."""
-    def rep(x):
-        return jnp.repeat(x, times, axis=0)
+    def rep(x, axis=0):
+        return jnp.repeat(x, times, axis=axis)
 
-    return KVCache(keys=tuple(map(rep, cache.keys)), values=tuple(map(rep, cache.values)), valid=rep(cache.valid),
+    return KVCache(keys=rep(cache.keys, 1), values=rep(cache.values, 1), valid=rep(cache.valid),
                    index=cache.index, lengths=rep(cache.lengths))
 
 

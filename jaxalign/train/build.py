@@ -39,9 +39,10 @@ from jaxalign.models import (
     lora,
     param_shardings,
 )
+from jaxalign.models.llama import other_layer_layout
 from jaxalign.objectives import Objective
 from jaxalign.parallel.mesh import Rules, batch_sharding, make_mesh, use_rules
-from jaxalign.train.checkpoints import good_step
+from jaxalign.train.checkpoints import good_step, restore_in_layout
 from jaxalign.train.evaluate import make_eval_step
 from jaxalign.train.spec import ModelSpec, OptimSpec, RunSpec
 from jaxalign.train.step import (
@@ -339,8 +340,7 @@ def restore_model(checkpoint: str | Path, *, log=None):
     if log is not None:
         log(f"using checkpoint {step} of {run_dir}" + (" (the newest that verifies)" if skipped else ""))
     manager = ocp.CheckpointManager(run_dir / "checkpoints")
-    restored = TrainState(*manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target))).state).params
+    restored = TrainState(*restore_in_layout(manager, step, target, other_layer_layout(config))[0]).params
     if lora_config is None:
         model = nnx.merge(graphdef, restored)
     else:

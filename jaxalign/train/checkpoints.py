@@ -20,6 +20,7 @@ import signal
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -177,18 +178,20 @@ class Checkpoints:
                 f"{self._needed / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free; {kept}. Free some space and "
                 "rerun the same command: it resumes from the latest good checkpoint.")
 
-    def restore_latest(self, state: TrainState) -> tuple[TrainState, dict] | None:
+    def restore_latest(self, state: TrainState, other_layout=None) -> tuple[TrainState, dict] | None:
         """The newest checkpoint that verifies and restores into ``state``'s shapes and shardings; broken ones are
         moved aside with a warning. None for a folder without checkpoints; ``NoGoodCheckpoint`` when there are some
-        but none is good (nothing is moved then)."""
+        but none is good (nothing is moved then). ``other_layout``: ``(to_saved, to_live)``, the model's
+        ``other_layer_layout``: a checkpoint that does not restore in ``state``'s layout is tried in the other layer
+        layout (saved with ``model.scan_layers`` the other way) before it counts as broken."""
         target = abstract_of(state)
         problems = []
         for step in reversed(self.steps()):
             problem = verify(self.folder / str(step))
             if problem is None:
                 try:
-                    restored = self.manager.restore(step, args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+                    restored_state, restored_meta = restore_in_layout(self.manager, step, target, other_layout,
+                                                                      meta=True)
                 except Exception as err:  # a readable manifest over unreadable Orbax metadata
                     problem = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
                 else:
@@ -200,7 +203,7 @@ class Checkpoints:
 
                             multihost_utils.sync_global_devices("jaxalign-checkpoints-set-aside")
                         self.manager.reload()
-                    return TrainState(*restored.state), restored.meta
+                    return TrainState(*restored_state), restored_meta
             warnings.warn(f"checkpoint {step} in {self.folder} is broken ({problem}); trying an older one",
                           stacklevel=2)
             problems.append((step, problem))
@@ -251,6 +254,32 @@ def good_step(folder: Path, step: int | None = None) -> tuple[int, list[str]]:
     if not steps:
         raise FileNotFoundError(f"{folder}: no checkpoint to restore")
     raise NoGoodCheckpoint(f"{folder} has no good checkpoint ({'; '.join(skipped)})")
+
+
+def restore_in_layout(manager, step: int, target, other_layout=None, *, meta: bool = False) -> tuple[Any, Any]:
+    """``(state, meta record or None)`` of checkpoint ``step`` restored into ``target`` (abstract arrays). With
+    ``other_layout`` = ``(to_saved, to_live)``, a checkpoint that does not restore into ``target`` is restored in the
+    other layer layout, then converted to ``target``'s layout and shardings; the first error is raised when neither
+    restores."""
+    def restore(state_target):
+        args = {"state": ocp.args.StandardRestore(state_target)}
+        if meta:
+            args["meta"] = ocp.args.JsonRestore()
+        restored = manager.restore(step, args=ocp.args.Composite(**args))
+        return restored.state, restored.meta if meta else None
+
+    try:
+        return restore(target)
+    except Exception as first:
+        if other_layout is None:
+            raise
+        to_saved, to_live = other_layout
+        try:
+            state, record = restore(to_saved(target))
+        except Exception:
+            raise first from None
+    state = jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(to_live(state)))
+    return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), state, target), record
 
 
 def abstract_of(tree):
@@ -338,6 +367,9 @@ class RunLock:
 # the processes may change between a run and its resume).
 SAME_RUN_FIELDS = ("seed", "tokenizer", "model.", "data.", "objective.", "reference.kind", "lora.", "optim.",
                    "train.batch_size", "train.grad_accum")
+# Fields under SAME_RUN_FIELDS that change no result: a run may resume with them changed (the checkpoint's layer
+# layout is converted on restore).
+RESUME_MAY_CHANGE = ("model.scan_layers",)
 RUN_FILES = ("checkpoints", BROKEN, "metrics.jsonl", "summary.json", "tensorboard", "curves.png", "config.json",
              "model_config.json", "tokenizer", "data")
 
@@ -370,7 +402,7 @@ def differences(saved: dict, new: dict) -> list[str]:
 
     old, now = dict(flatten(saved)), dict(flatten(new))
     fields = sorted(f for f in set(old) | set(now)
-                    if f.startswith(SAME_RUN_FIELDS) or f in SAME_RUN_FIELDS)
+                    if (f.startswith(SAME_RUN_FIELDS) or f in SAME_RUN_FIELDS) and f not in RESUME_MAY_CHANGE)
     return [f"{f}: {old.get(f)!r} -> {now.get(f)!r}" for f in fields if old.get(f) != now.get(f)]
 
 

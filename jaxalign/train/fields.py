@@ -22,6 +22,7 @@ HELP: dict[str, str] = {
     "model.attention_impl": "xla (einsum), dot_product (jax.nn.dot_product_attention) or cudnn (GPU)",
     "model.remat": "recompute each layer in the backward pass (less memory, more compute)",
     "model.remat_policy": "with remat: nothing (least memory), dots (keep matmul outputs), dots_no_batch",
+    "model.scan_layers": "auto (scan the repeated layers of models with more than 4 layers), true or false",
     "model.shape.vocab_size": "random model: vocabulary rows",
     "model.shape.hidden_size": "random model: width",
     "model.shape.intermediate_size": "random model: MLP width",

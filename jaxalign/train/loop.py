@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from jaxalign.models.llama import other_layer_layout
 from jaxalign.parallel import distributed
 from jaxalign.train import checkpoints, onpolicy, writers
 from jaxalign.train.build import Engine, build, run_mesh
@@ -91,7 +92,8 @@ def setup(config: ml_collections.ConfigDict, spec: RunSpec, stage=lambda: None) 
 
 
 def resume(run: Run) -> None:
-    restored = run.checkpoints.restore_latest(run.engine.state) if run.spec.train.resume else None
+    restored = (run.checkpoints.restore_latest(run.engine.state, other_layer_layout(run.engine.model_config))
+                if run.spec.train.resume else None)
     if restored is not None:
         run.engine.state, meta = restored
         run.inputs.pipeline.restore(meta["data"])

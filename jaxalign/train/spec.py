@@ -23,6 +23,7 @@ import ml_collections
 from jaxalign.data.tokenize import TRUNCATIONS, TokenizeConfig
 from jaxalign.data.toy import GENERATORS
 from jaxalign.hub import is_repo_id
+from jaxalign.models.config import SCAN_MIN_LAYERS
 from jaxalign.models.lora import TARGETS as LORA_TARGETS
 from jaxalign.models.lora import LoRAConfig
 from jaxalign.objectives import OBJECTIVES, Objective, make_params
@@ -68,12 +69,15 @@ class ModelSpec:
     attention_impl: str = "xla"
     remat: bool = False
     remat_policy: str = "nothing"
+    scan_layers: str = "auto"
     shape: dict = dataclasses.field(default_factory=dict)
     tokenizer: str = ""
 
     def overrides(self) -> dict[str, Any]:
         """The fields that change how the architecture runs (not what it is)."""
-        return {"attention_impl": self.attention_impl, "remat": self.remat, "remat_policy": self.remat_policy}
+        scan = {"auto": None, "true": True, "false": False}.get(str(self.scan_layers).lower())
+        return {"attention_impl": self.attention_impl, "remat": self.remat, "remat_policy": self.remat_policy,
+                "scan_layers": scan}
 
     def problems(self, run: RunSpec, num_devices: int) -> list[str]:
         from jaxalign.train.build import ARCHITECTURES
@@ -91,6 +95,9 @@ class ModelSpec:
                             "Hugging Face Hub id ORG/NAME[@REVISION])")
         if self.remat_policy not in ("nothing", "dots", "dots_no_batch"):
             problems.append(f"model.remat_policy={self.remat_policy!r}; choose nothing, dots or dots_no_batch")
+        if str(self.scan_layers).lower() not in ("auto", "true", "false"):
+            problems.append(f"model.scan_layers={self.scan_layers!r}; choose auto (scan more than "
+                            f"{SCAN_MIN_LAYERS} layers), true or false")
         return problems
 
 
