@@ -40,7 +40,7 @@ SHAPES = {
     "gemma2-26": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=26, num_heads=4,
                       num_kv_heads=2, head_dim=32, architecture="gemma2", norm_offset=1.0, embed_scale=True,
                       sandwich_norms=True, hidden_act="gelu_tanh", query_pre_attn_scalar=32, attn_softcap=50.0,
-                      final_softcap=30.0, sliding_window=64, sliding_window_layers=[True, False] * 13,
+                      final_softcap=30.0, sliding_window=64, sliding_window_layers=(True, False) * 13,
                       tie_word_embeddings=True),
 }
 LENGTH = {"tiny-32": 64, "smollm2": 256, "gemma2-26": 128}
@@ -63,7 +63,7 @@ def measure(shape: str, scan: bool, smoke: bool) -> dict:
     if smoke:
         values.update(num_layers=6, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16)
         if "sliding_window_layers" in values:
-            values["sliding_window_layers"] = [True, False] * 3
+            values["sliding_window_layers"] = (True, False) * 3
     config = LlamaConfig(**values, scan_layers=scan)
     length = 16 if smoke else LENGTH[shape]
     step, state, _ = train_setup("sft", config, -1)
@@ -119,7 +119,9 @@ def main() -> None:
     for shape in args.shapes.split(","):
         for scan in (False, True):
             command = [sys.executable, __file__, "--arm", f"{shape}:{int(scan)}"] + (["--smoke"] if args.smoke else [])
-            done = subprocess.run(command, capture_output=True, text=True, check=True, env=dict(os.environ))
+            done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ))
+            if done.returncode:
+                raise SystemExit(f"{shape} scan={scan} failed:\n{done.stderr[-3000:]}")
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(summary(rows[-1]), flush=True)
     import jax

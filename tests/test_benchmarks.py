@@ -64,3 +64,13 @@ def test_grpo_benchmark_smoke_runs_the_jaxalign_side():
     assert row["rollout_s"] > 0 and row["train_s"] > 0
     assert row["step_s"] == pytest.approx(row["rollout_s"] + row["train_s"], rel=0.5)  # medians of each
     assert "| tiny | jaxalign |" in done.stdout
+
+
+@pytest.mark.slow
+def test_scan_layers_benchmark_smoke_compares_both_arms():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+    done = subprocess.run([sys.executable, "benchmarks/scan_layers.py", "--smoke", "--shapes", "gemma2-26"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| gemma2-26 (plan (0, 2, 3)) |" in done.stdout
+    assert done.stdout.rstrip().endswith("| True |")  # both arms decode the same tokens

@@ -60,6 +60,7 @@ def assert_trees_close(a, b, atol):
     (BASE.replace(sliding_window=4, sliding_window_layers=(False, False) + (True,) * 4), (2, 1, 4)),
     (BASE.replace(sliding_window=4, sliding_window_layers=(True, False, False, True, False, True)), (2, 2, 2)),
     (BASE.replace(sliding_window=4, sliding_window_layers=(True, False, False, True, True, False)), (6, 0, 0)),
+    (GEMMA3.replace(num_layers=26, sliding_window_layers=((True,) * 5 + (False,)) * 4 + (True, True)), (0, 6, 4)),
     (BASE.replace(scan_layers=False), (6, 0, 0)), (BASE.replace(num_layers=4), (4, 0, 0)),
     (BASE.replace(num_layers=4, scan_layers=True), (0, 1, 4))])
 def test_layer_plan_cuts_the_repeating_blocks(config, plan):

@@ -13,6 +13,10 @@ names (Flax's standard ``out_sharding`` metadata, so ``nnx.get_partition_spec`` 
 by ``jaxalign.parallel``. A projection with a LoRA adapter
 attached next to it (``q_proj_lora``, see ``jaxalign.models.lora``) adds the adapter's low-rank update.
 
+With ``config.scans`` (``scan_layers``) the repeated layers are stored stacked (``StackedLayers``, cut by
+``layer_plan``) and run by one ``lax.scan``; ``unstack_layers`` / ``stack_layers`` convert state trees between
+that layout and the per-layer one (``("layers", i, ...)``), which Hugging Face files and adapters use.
+
 Numerics follow the PyTorch reference (transformers' ``LlamaForCausalLM``): RMSNorm and softmax in
 float32, rotary tables in float32, matmuls in ``config.dtype``.
 """
