@@ -189,7 +189,7 @@ def test_lora_on_a_scanned_model_matches_the_unrolled_one(tmp_path):
     lora.save_peft(unrolled, adapters, tmp_path / "u")
     from safetensors.numpy import load_file
 
-    s, u = load_file(tmp_path / "s" / "adapter_model.safetensors"), load_file(tmp_path / "u" / "adapter_model.safetensors")
+    s, u = (load_file(tmp_path / name / "adapter_model.safetensors") for name in ("s", "u"))
     assert sorted(s) == sorted(u) and all(np.array_equal(s[k], u[k]) for k in s)
 
 
