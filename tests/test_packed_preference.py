@@ -64,6 +64,7 @@ def test_packed_equals_padded(name, params):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_packed_precomputed_reference_equals_padded():
     examples = pairs(10, seed=3)
     rng = np.random.default_rng(0)

@@ -193,6 +193,7 @@ def test_lora_on_a_scanned_model_matches_the_unrolled_one(tmp_path):
     assert sorted(s) == sorted(u) and all(np.array_equal(s[k], u[k]) for k in s)
 
 
+@pytest.mark.slow
 def test_training_resumes_across_a_change_of_layer_layout(tmp_path):
     from jaxalign.train import load_config, train
     from jaxalign.train.build import restore_model
@@ -218,3 +219,37 @@ def test_training_resumes_across_a_change_of_layer_layout(tmp_path):
     assert step_whole == step_cut == 4
     assert isinstance(whole.layers, StackedLayers) and not isinstance(cut.layers, StackedLayers)
     assert_trees_close(unstack_layers(whole.config, pure(whole)), pure(cut), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_lora_run_on_a_scanned_model_exports_merged_and_peft(tmp_path):
+    """The LoRA path of a real (scanned) model: adapters created stacked, trained with dropout, both exports load
+    in transformers / PEFT with our logits."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from jaxalign.cli import main
+    from jaxalign.train.build import restore_model
+
+    args = ["train", "--config", "dpo", "--config.model.shape.hidden_size=32",
+            "--config.model.shape.intermediate_size=48", "--config.model.shape.num_layers=6",
+            "--config.model.shape.num_heads=2", "--config.model.shape.num_kv_heads=1", "--config.data.toy_size=64",
+            "--config.data.max_length=40", "--config.train.batch_size=8", "--config.train.steps=2",
+            "--config.eval.generate=0", "--config.data.eval=", "--config.logging.tensorboard=False",
+            "--config.logging.plot=False", "--config.lora.enabled=True", "--config.lora.rank=2",
+            "--config.lora.dropout=0.1", "--config.optim.lr=1e-2", f"--config.workdir={tmp_path / 'run'}"]
+    assert main(args) == 0
+    trained, _, _ = restore_model(tmp_path / "run")
+    assert isinstance(trained.layers, StackedLayers)
+    assert trained.layers.blocks[0].self_attn.q_proj_lora.lora_a[...].shape[0] == 6
+    tokens = np.array([[1, 50, 60, 70, 2, 9]])
+    ours = np.asarray(trained(jnp.asarray(tokens)))
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "merged")]) == 0
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "peft"), "--adapter"]) == 0
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), local_files_only=True).eval()
+        np.testing.assert_allclose(merged(torch.tensor(tokens)).logits.numpy(), ours, atol=1e-4)
+        base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "peft" / "base"), local_files_only=True).eval()
+        adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+        np.testing.assert_allclose(adapted(torch.tensor(tokens)).logits.numpy(), ours, atol=1e-4)

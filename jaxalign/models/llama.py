@@ -455,9 +455,9 @@ def _stack(leaves):
 
 def unstack_layers(config: LlamaConfig, tree):
     """``tree`` (a model-state pure dict, or any pytree holding such dicts: optimizer moments, adapters) with every
-    stacked layer tree in per-layer form, ``{"layers": {0: ..., 1: ...}}``, the layout of an unscanned model and of
-    the checkpoints on disk. Leaves may be arrays or ``ShapeDtypeStruct``; trees already per layer are returned as
-    they are."""
+    stacked layer tree in per-layer form, ``{"layers": {0: ..., 1: ...}}``: the layout of an unscanned model, and the
+    one Hugging Face files and PEFT adapters are written from. Leaves may be arrays or ``ShapeDtypeStruct`` (with
+    their shardings); trees already per layer are returned as they are."""
     prefix, period, blocks = layer_plan(config)
 
     def convert(node):
@@ -714,8 +714,8 @@ class LlamaForCausalLM(nnx.Module):
         def inputs(i):  # what layer i reads besides the hidden states: its rotary tables and mask
             return (*tables[self.config.local_rope(i)], masks[self.config.layer_window(i)])
 
-        def stats_of(router):  # a sparse layer's load-balancing statistics; None for a dense layer
-            return None if router is None else router_stats(router, attention_mask, self.config.num_experts_per_tok)
+        def stats_of(router):  # a sparse layer's load-balancing statistics
+            return router_stats(router, attention_mask, self.config.num_experts_per_tok)
 
         kv = None if cache is None else (cache.keys, cache.values, cache.index)
         x, stats, kv = self._layers(x, inputs, stats_of, kv)

@@ -126,7 +126,7 @@ def attach(model: LlamaForCausalLM, lora: LoRAConfig, rngs: nnx.Rngs) -> LlamaFo
             layer = _layer_module(model, i)
             kernel = getattr(_owner(layer, name), name)
             shape, axes = kernel.get_value().shape, logical_axes(kernel)
-            if not isinstance(model.layers, nnx.List) and _is_stacked(model, i):
+            if _is_stacked(model, i):  # the block's stacked kernel: one layer's shape
                 shape, axes = shape[1:], axes[1:]
             n_in = _INPUT_DIMS.get(name, 1)
             made[i, name] = LoRA(shape[:n_in], axes[:n_in], shape[n_in:], axes[n_in:], lora, rngs)
