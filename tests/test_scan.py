@@ -59,7 +59,10 @@ def assert_trees_close(a, b, atol):
     (BASE, (0, 1, 6)), (GEMMA2, (0, 2, 3)), (GEMMA3, (0, 3, 2)), (MOE, (1, 1, 5)),
     (BASE.replace(sliding_window=4, sliding_window_layers=(False, False) + (True,) * 4), (2, 1, 4)),
     (BASE.replace(sliding_window=4, sliding_window_layers=(True, False, False, True, False, True)), (2, 2, 2)),
-    (BASE.replace(sliding_window=4, sliding_window_layers=(True, False, False, True, True, False)), (6, 0, 0)),
+    (BASE.replace(sliding_window=4, sliding_window_layers=(True, False, False, True, True, False)), (1, 1, 2)),
+    (BASE.replace(sliding_window=4, sliding_window_layers=(True,) * 5 + (False,)), (0, 1, 5)),
+    (BASE.replace(num_layers=3, scan_layers=True, sliding_window=4, sliding_window_layers=(True, False, True)),
+     (3, 0, 0)),
     (GEMMA3.replace(num_layers=26, sliding_window_layers=((True,) * 5 + (False,)) * 4 + (True, True)), (0, 6, 4)),
     (BASE.replace(scan_layers=False), (6, 0, 0)), (BASE.replace(num_layers=4), (4, 0, 0)),
     (BASE.replace(num_layers=4, scan_layers=True), (0, 1, 4))])
@@ -133,22 +136,24 @@ def test_layout_converters_are_inverse_and_handle_abstract_leaves():
     assert sorted(wrapped["mu"]["layers"]) == list(range(GEMMA3.num_layers))
 
 
-def test_hf_folders_stay_per_layer_either_way(tmp_path):
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "moe"])  # blocks only; with a tail layer; with a head
+def test_hf_folders_stay_per_layer_either_way(family, tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    unrolled, scanned = pair(GEMMA2)
+    config = FAMILIES[family]
+    unrolled, scanned = pair(config)
     save_hf(scanned, tmp_path / "scanned")
     save_hf(unrolled, tmp_path / "unrolled")
     from safetensors.numpy import load_file
 
     a, b = load_file(tmp_path / "scanned" / "model.safetensors"), load_file(tmp_path / "unrolled" / "model.safetensors")
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
-    assert "model.layers.5.self_attn.q_proj.weight" in a
+    assert f"model.layers.{config.num_layers - 1}.self_attn.q_proj.weight" in a
     loaded = load_hf(tmp_path / "unrolled", config_overrides={"scan_layers": True})
     assert isinstance(loaded.layers, StackedLayers)
     assert_trees_close(pure(loaded), pure(scanned), atol=0)
-    tokens, mask = batch(GEMMA2)
+    tokens, mask = batch(config)
     reference = AutoModelForCausalLM.from_pretrained(str(tmp_path / "scanned"), local_files_only=True,
                                                      attn_implementation="eager").eval()
     with torch.no_grad():

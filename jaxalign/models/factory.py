@@ -78,8 +78,8 @@ def build_model(config: LlamaConfig, load_tensor: Callable[[tuple, tuple[int, ..
         dtype = variable.get_value().dtype
         sharding = None if mesh is None else logical_sharding(logical_axes(variable), shape, mesh, rules)
         parts = layer_paths(config, path)
-        if parts[0][1] is None:
-            variable.set_value(_place(_loaded(load_tensor, path, shape, dtype), shape, sharding))
+        if parts[0][1] is None:  # one layer's own weight (or not a layer's): its per-layer path
+            variable.set_value(_place(_loaded(load_tensor, parts[0][0], shape, dtype), shape, sharding))
             continue
         stacked = jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)()
         for layer_path, index in parts:

@@ -6,8 +6,13 @@ names, so the HF layout rules of ``hf.py`` place them. llama.cpp permutes the Q 
 rotate-half RoPE applies. ``qwen2`` and ``qwen3`` GGUFs are stored unpermuted (NEOX RoPE); Qwen3's per-head
 q/k norms are ``attn_q_norm`` / ``attn_k_norm``.
 
+Gemma 2 / Gemma 3 (``gemma2``, ``gemma3``): llama.cpp stores every RMSNorm weight as ``1 + w`` (Gemma's norm
+scales by ``1 + w``), so 1 is subtracted on load; ``ffn_norm`` is the pre-MLP norm and ``post_attention_norm`` /
+``post_ffw_norm`` the sandwich norms; what the header leaves out follows llama.cpp's rules (``gemma_fields``).
+
 Tokenizers: byte-level BPE (``tokenizer.ggml.model == "gpt2"``) with the ``gpt2``, ``smollm`` and ``qwen2``
-pre-tokenizers; other tokenizer kinds raise an error that names them.
+pre-tokenizers, and Gemma's SentencePiece vocabulary (``"llama"`` in a ``gemma2`` / ``gemma3`` file); other
+tokenizer kinds raise an error that names them.
 """
 
 from __future__ import annotations
@@ -39,12 +44,23 @@ _GGUF_TO_HF = (
     (r"blk\.(\d+)\.attn_([qk])_norm\.weight", "model.layers.{0}.self_attn.{1}_norm.weight"),
     (r"blk\.(\d+)\.ffn_(gate|up|down)\.(weight|bias)", "model.layers.{0}.mlp.{1}_proj.{2}"),
 )
-_SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+# Gemma's blocks have four norms: llama.cpp's ffn_norm is the norm before the MLP (pre_feedforward_layernorm) and
+# post_attention_norm / post_ffw_norm the sandwich norms on the attention and MLP outputs
+_GEMMA_NORMS = (
+    (r"blk\.(\d+)\.ffn_norm\.weight", "model.layers.{0}.pre_feedforward_layernorm.weight"),
+    (r"blk\.(\d+)\.post_attention_norm\.weight", "model.layers.{0}.post_attention_layernorm.weight"),
+    (r"blk\.(\d+)\.post_ffw_norm\.weight", "model.layers.{0}.post_feedforward_layernorm.weight"),
+)
+_SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+_ARCHITECTURE = {"gemma3": "gemma3_text"}  # GGUF general.architecture -> ours, where the names differ
+_GEMMA = ("gemma2", "gemma3")
 _SUPPORTED_PRE = ("gpt2", "default", "smollm", "qwen2")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    for pattern, template in _GGUF_TO_HF:
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of GGUF tensor ``name`` in a ``general.architecture=arch`` file (None: not a weight
+    jaxalign reads)."""
+    for pattern, template in (*_GEMMA_NORMS, *_GGUF_TO_HF) if arch in _GEMMA else _GGUF_TO_HF:
         match = re.fullmatch(pattern, name)
         if match:
             return template.format(*match.groups())
@@ -105,6 +121,9 @@ def _check_counts(file: Path) -> None:
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], *, dtype: str = "float32",
                      source: str = "GGUF") -> LlamaConfig:
     arch = meta.get("general.architecture")
+    if arch == "clip":
+        raise CheckpointError(f"{source}: general.architecture='clip' is a vision tower (a multimodal model's "
+                              "mmproj file); load the language model's GGUF")
     if arch not in _SUPPORTED_ARCHS:
         raise CheckpointError(f"{source}: general.architecture={arch!r} is not supported; "
                               f"supported: {', '.join(_SUPPORTED_ARCHS)}")
@@ -123,33 +142,55 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], *, dtype: str
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
+    layers = int(get("block_count"))
     tokens = meta.get("tokenizer.ggml.tokens") or []
     rope = (RopeScaling("linear", factor=float(get("rope.scaling.factor")))
             if scaling_type == "linear" else RopeScaling())
+    gemma = gemma_fields(meta, arch, hidden, heads, layers) if arch in _GEMMA else {}
     return LlamaConfig(
         vocab_size=int(meta.get(f"{arch}.vocab_size", len(tokens))),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=int(get("attention.key_length", hidden // heads)),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_theta=float(get("rope.freq_base", 1e6 if arch == "gemma3" else 10000.0)),
         rope_scaling=rope,
         max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         o_bias="blk.0.attn_output.bias" in tensor_names,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         mlp_bias="blk.0.ffn_up.bias" in tensor_names,
-        architecture=arch,
+        **gemma,
+        architecture=_ARCHITECTURE.get(arch, arch),
         dtype=dtype,
         param_dtype=dtype,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
+
+
+def gemma_fields(meta: dict[str, Any], arch: str, hidden: int, heads: int, layers: int) -> dict[str, Any]:
+    """The Gemma 2 / Gemma 3 config fields from a GGUF header, with llama.cpp's rules for what the file leaves out
+    (``llama-model.cpp``): ``query_pre_attn_scalar`` is not stored, so it is ``hidden / heads`` for the 27B models
+    (46 layers for Gemma 2, 62 for Gemma 3) and ``head_dim`` otherwise; the sliding / global pattern is
+    ``attention.sliding_window_pattern`` when present, else every 2nd (Gemma 2) or 6th (Gemma 3) layer global; Gemma
+    3's local RoPE base is ``rope.freq_base_swa``, else 10000; absent soft-caps are off."""
+    window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
+    every = meta.get(f"{arch}.attention.sliding_window_pattern")
+    every = int(every) if isinstance(every, int | float) and every else (2 if arch == "gemma2" else 6)
+    large = layers == (46 if arch == "gemma2" else 62)
+    return dict(hidden_act="gelu_tanh", norm_offset=1.0, embed_scale=True, sandwich_norms=True,
+                query_pre_attn_scalar=hidden // heads if large else 0,
+                attn_softcap=float(meta.get(f"{arch}.attn_logit_softcapping") or 0.0),
+                final_softcap=float(meta.get(f"{arch}.final_logit_softcapping") or 0.0),
+                local_rope_theta=float(meta.get(f"{arch}.rope.freq_base_swa") or 10000.0) if arch == "gemma3" else 0.0,
+                sliding_window=window,
+                sliding_window_layers=tuple(bool((i + 1) % every) for i in range(layers)) if window else ())
 
 
 def byte_level_pre_tokenizer(pre: str):
@@ -175,6 +216,8 @@ def tokenizer_from_gguf(meta: dict[str, Any], *, source: str = "GGUF"):
 
     kind = meta.get("tokenizer.ggml.model")
     pre = meta.get("tokenizer.ggml.pre", "default")
+    if kind == "llama" and meta.get("general.architecture") in _GEMMA:
+        return _gemma_tokenizer(meta, source)
     if kind != "gpt2":
         raise CheckpointError(f"{source}: tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE, "
                               "'gpt2'); load the Hugging Face folder with its tokenizer.json instead")
@@ -221,6 +264,38 @@ def tokenizer_from_gguf(meta: dict[str, Any], *, source: str = "GGUF"):
     )
 
 
+def _gemma_tokenizer(meta: dict[str, Any], source: str):
+    """Gemma's SentencePiece vocabulary (``tokenizer.ggml.model == "llama"``: tokens, scores, token types; no merges)
+    rebuilt by transformers' own GGUF converter (``convert_gguf_tokenizer``: a byte-fallback BPE whose merges follow
+    the vocabulary's order, control tokens special), with the file's BOS policy and chat template."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import convert_gguf_tokenizer
+
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    fields = {"tokenizer_type": "llama", "tokens": tokens,
+              "scores": list(meta.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]),
+              "token_type": list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))}
+    if len(fields["scores"]) != len(tokens) or len(fields["token_type"]) != len(tokens):
+        raise CheckpointError(f"{source}: tokenizer.ggml.scores / token_type do not have one entry per token "
+                              f"({len(tokens)} tokens)")
+    backend, _ = convert_gguf_tokenizer(meta["general.architecture"], fields)
+
+    def token(key: str) -> str | None:
+        index = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[int(index)] if index is not None and 0 <= int(index) < len(tokens) else None
+
+    bos = token("bos_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True)) and bos is not None  # llama.cpp's default
+    if add_bos:
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokens.index(bos))])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=bos, eos_token=token("eos_token_id"), unk_token=token("unknown_token_id"),
+        pad_token=token("padding_token_id") or token("eos_token_id"), chat_template=meta.get("tokenizer.chat_template"),
+        add_bos_token=add_bos, clean_up_tokenization_spaces=False)
+
+
 def read_gguf_config(path: str | os.PathLike, *, dtype: str = "float32") -> LlamaConfig:
     """The model config from a GGUF file's header (the tensors are not read)."""
     reader = _open(path)
@@ -241,9 +316,10 @@ def load_gguf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: Mesh | None =
     tensors = {t.name: t for t in reader.tensors}
     config = config_from_gguf(meta, set(tensors), dtype=jnp.dtype(dtype).name, source=str(path))
     config = config.replace(**(config_overrides or {}))
+    arch = meta.get("general.architecture")
     hf_to_gguf = {}
     for name in tensors:
-        hf_name = gguf_to_hf_name(name)
+        hf_name = gguf_to_hf_name(name, arch)
         if hf_name is not None:
             hf_to_gguf[hf_name] = name
 
@@ -263,6 +339,8 @@ def load_gguf(path: str | os.PathLike, *, dtype=jnp.float32, mesh: Mesh | None =
         if config.architecture == "llama" and re.search(r"self_attn\.[qk]_proj", hf_name):
             heads = config.num_heads if ".q_proj" in hf_name else config.num_kv_heads
             array = unpermute_qk(array, heads)
+        if arch in _GEMMA and hf_name.endswith("norm.weight"):  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
+            array = array - 1.0
         return from_hf(kind, array, shape)
 
     model = build_model(config, load_tensor, mesh=mesh, rules=rules)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -390,6 +391,7 @@ def _call_layer(layer, *args):
     return layer(*args)
 
 
+@functools.lru_cache(maxsize=256)
 def layer_plan(config: LlamaConfig) -> tuple[int, int, int]:
     """``(prefix, period, blocks)``: how a scanned decoder (``config.scans``) stores and runs its layers: the first
     ``prefix`` layers one by one, then ``blocks`` consecutive blocks of ``period`` layers that are alike block for
@@ -410,9 +412,13 @@ def layer_plan(config: LlamaConfig) -> tuple[int, int, int]:
 
     for prefix in range(n - 1):
         for period in range(1, (n - prefix) // 2 + 1):
-            plan = (prefix, period, (n - prefix) // period)
-            if cost(plan) < cost(best) and all(signature[i] == signature[i + period]
-                                               for i in range(prefix, prefix + (plan[2] - 1) * period)):
+            if prefix + period >= cost(best):  # no cut starting here can compile fewer layers
+                break
+            end = prefix  # the layers prefix .. end + period - 1 repeat with this period
+            while end + period < n and signature[end] == signature[end + period]:
+                end += 1
+            plan = (prefix, period, min((end - prefix) // period + 1, (n - prefix) // period))
+            if plan[2] >= 2 and cost(plan) < cost(best):
                 best = plan
     return best
 
