@@ -199,7 +199,7 @@ def test_lora_on_a_scanned_model_matches_the_unrolled_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_training_resumes_across_a_change_of_layer_layout(tmp_path):
+def test_training_resumes_across_a_change_of_layer_layout(tmp_path, capsys):
     from jaxalign.train import load_config, train
     from jaxalign.train.build import restore_model
 
@@ -224,6 +224,10 @@ def test_training_resumes_across_a_change_of_layer_layout(tmp_path):
     assert step_whole == step_cut == 4
     assert isinstance(whole.layers, StackedLayers) and not isinstance(cut.layers, StackedLayers)
     assert_trees_close(unstack_layers(whole.config, pure(whole)), pure(cut), atol=1e-5)
+    capsys.readouterr()
+    run(tmp_path / "cut", 6, "true")  # and the per-layer step-4 checkpoint resumes scanned
+    assert "at step 4" in capsys.readouterr().out
+    assert restore_model(tmp_path / "cut")[2] == 6 and not (tmp_path / "cut" / "broken-checkpoints").exists()
 
 
 @pytest.mark.slow
