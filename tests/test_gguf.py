@@ -43,9 +43,8 @@ def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
         weight.shape)
 
 
-def write_gguf(path, hf_folder, config, tokenizer: Tokenizer, pre: str):
-    tensors = load_file(str(hf_folder / "model.safetensors"))
-    arch = config.architecture
+def new_writer(path, arch: str, config):
+    """A GGUF writer with the header fields every architecture has."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -53,8 +52,23 @@ def write_gguf(path, hf_folder, config, tokenizer: Tokenizer, pre: str):
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_heads)
     writer.add_head_count_kv(config.num_kv_heads)
-    writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    return writer
+
+
+def finish(writer) -> None:
+    """Writes the header, the metadata and the tensors, and closes the file."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_gguf(path, hf_folder, config, tokenizer: Tokenizer, pre: str):
+    tensors = load_file(str(hf_folder / "model.safetensors"))
+    arch = config.architecture
+    writer = new_writer(path, arch, config)
+    writer.add_rope_freq_base(config.rope_theta)
     vocab = tokenizer.get_vocab()
     tokens = sorted(vocab, key=vocab.get)
     merges = [" ".join(pair) for pair in _merges(tokenizer)]
@@ -81,10 +95,7 @@ def write_gguf(path, hf_folder, config, tokenizer: Tokenizer, pre: str):
         if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
             tensor = llama_cpp_permute(tensor, config.num_heads if ".attn_q." in gguf_name else config.num_kv_heads)
         writer.add_tensor(gguf_name, np.ascontiguousarray(tensor, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def _merges(tokenizer: Tokenizer) -> list[tuple[str, str]]:
@@ -140,10 +151,7 @@ def test_gguf_errors(tmp_path):
         load_gguf(tmp_path / "junk.gguf")
     writer = gguf.GGUFWriter(str(tmp_path / "bert.gguf"), "bert")
     writer.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises(CheckpointError, match=r"general\.architecture='bert' is not supported"):
         load_gguf(tmp_path / "bert.gguf")
 
@@ -174,16 +182,9 @@ def write_gemma_gguf(path, hf_folder, config, arch: str, reference):
     output.weight (tied), no query_pre_attn_scalar or window pattern in the header, the SentencePiece vocabulary as
     tokens / scores / token types without merges."""
     tensors = load_file(str(hf_folder / "model.safetensors"))
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_heads)
-    writer.add_head_count_kv(config.num_kv_heads)
+    writer = new_writer(path, arch, config)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_sliding_window(config.sliding_window)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_softcap)
@@ -221,10 +222,7 @@ def write_gemma_gguf(path, hf_folder, config, arch: str, reference):
         if name.endswith("norm.weight"):
             tensor = tensor + 1.0
         writer.add_tensor(gguf_name, np.ascontiguousarray(tensor, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
