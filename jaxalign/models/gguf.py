@@ -209,10 +209,23 @@ def byte_level_pre_tokenizer(pre: str):
     return byte_level
 
 
+def _token_list(meta: dict[str, Any], source: str) -> list[str]:
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise CheckpointError(f"{source}: the GGUF file has no tokenizer.ggml.tokens (no vocabulary to rebuild the "
+                              "tokenizer from)")
+    return list(tokens)
+
+
+def _special(meta: dict[str, Any], tokens: list[str], key: str) -> str | None:
+    """The token a ``tokenizer.ggml.{key}`` id names (``bos_token_id`` ...), or None when absent or out of range."""
+    index = meta.get(f"tokenizer.ggml.{key}")
+    return tokens[int(index)] if index is not None and 0 <= int(index) < len(tokens) else None
+
+
 def tokenizer_from_gguf(meta: dict[str, Any], *, source: str = "GGUF"):
     """A transformers fast tokenizer (special tokens, BOS policy, chat template) from GGUF metadata."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-    from transformers import PreTrainedTokenizerFast
 
     kind = meta.get("tokenizer.ggml.model")
     pre = meta.get("tokenizer.ggml.pre", "default")
@@ -224,7 +237,7 @@ def tokenizer_from_gguf(meta: dict[str, Any], *, source: str = "GGUF"):
     if pre not in _SUPPORTED_PRE:
         raise CheckpointError(f"{source}: tokenizer.ggml.pre={pre!r} is not supported "
                               f"(supported: {', '.join(_SUPPORTED_PRE)})")
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    tokens = _token_list(meta, source)
     token_types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     merges = []
     for i, merge in enumerate(meta.get("tokenizer.ggml.merges") or []):
@@ -241,27 +254,14 @@ def tokenizer_from_gguf(meta: dict[str, Any], *, source: str = "GGUF"):
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                   for t, kind_ in zip(tokens, token_types, strict=True) if kind_ == 3])
 
-    def token(key: str) -> str | None:
-        index = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[int(index)] if index is not None and 0 <= int(index) < len(tokens) else None
-
-    bos = token("bos_token_id")
+    bos = _special(meta, tokens, "bos_token_id")
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
     if add_bos:
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))])
     else:
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token=bos,
-        eos_token=token("eos_token_id"),
-        unk_token=token("unknown_token_id"),
-        pad_token=token("padding_token_id") or token("eos_token_id"),
-        chat_template=meta.get("tokenizer.chat_template"),
-        add_bos_token=add_bos,
-        clean_up_tokenization_spaces=False,
-    )
+    return _fast_tokenizer(tokenizer, meta, tokens, add_bos)
 
 
 def _gemma_tokenizer(meta: dict[str, Any], source: str):
@@ -269,10 +269,9 @@ def _gemma_tokenizer(meta: dict[str, Any], source: str):
     rebuilt by transformers' own GGUF converter (``convert_gguf_tokenizer``: a byte-fallback BPE whose merges follow
     the vocabulary's order, control tokens special), with the file's BOS policy and chat template."""
     from tokenizers import processors
-    from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf import convert_gguf_tokenizer
 
-    tokens = list(meta["tokenizer.ggml.tokens"])
+    tokens = _token_list(meta, source)
     fields = {"tokenizer_type": "llama", "tokens": tokens,
               "scores": list(meta.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]),
               "token_type": list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))}
@@ -281,18 +280,24 @@ def _gemma_tokenizer(meta: dict[str, Any], source: str):
                               f"({len(tokens)} tokens)")
     backend, _ = convert_gguf_tokenizer(meta["general.architecture"], fields)
 
-    def token(key: str) -> str | None:
-        index = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[int(index)] if index is not None and 0 <= int(index) < len(tokens) else None
-
-    bos = token("bos_token_id")
+    bos = _special(meta, tokens, "bos_token_id")
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True)) and bos is not None  # llama.cpp's default
     if add_bos:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokens.index(bos))])
+    return _fast_tokenizer(backend, meta, tokens, add_bos)
+
+
+def _fast_tokenizer(backend, meta: dict[str, Any], tokens: list[str], add_bos: bool):
+    """A transformers fast tokenizer over ``backend`` with the file's special tokens and chat template (pad: the
+    padding token, else EOS)."""
+    from transformers import PreTrainedTokenizerFast
+
+    eos = _special(meta, tokens, "eos_token_id")
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=bos, eos_token=token("eos_token_id"), unk_token=token("unknown_token_id"),
-        pad_token=token("padding_token_id") or token("eos_token_id"), chat_template=meta.get("tokenizer.chat_template"),
+        tokenizer_object=backend, bos_token=_special(meta, tokens, "bos_token_id"), eos_token=eos,
+        unk_token=_special(meta, tokens, "unknown_token_id"),
+        pad_token=_special(meta, tokens, "padding_token_id") or eos, chat_template=meta.get("tokenizer.chat_template"),
         add_bos_token=add_bos, clean_up_tokenization_spaces=False)
 
 
