@@ -99,10 +99,6 @@ class LoRA(nnx.Module):
         low = jnp.tensordot(x, a, axes=a.ndim - 1)
         return jnp.tensordot(low, self.lora_b[...].astype(x.dtype), axes=1) * jnp.asarray(self.scale, x.dtype)
 
-    def delta(self) -> jax.Array:
-        """The kernel update ``(α/r)·A·B`` in float32, shaped like the kernel."""
-        return jnp.tensordot(self.lora_a[...], self.lora_b[...], axes=1) * self.scale
-
 
 def _owner(layer, name: str):
     return layer.self_attn if name in ATTENTION_TARGETS else layer.mlp
