@@ -1,12 +1,17 @@
-"""Packed (padding-free) vs padded DPO training on heavy-tailed lengths: real tokens per second over one epoch.
+"""Padded vs packed vs shared-prefix DPO training: real tokens per second over one epoch, side by side.
 
 The same pairs, the same model and the trainer's own jitted step and data pipeline. Padded: 8 pairs per step, each
 side padded to the smallest power-of-two bucket that fits the batch's longest sequence. Packed: rows of
-``2 x max_length`` tokens holding whole pairs (``data.packing``); 4 rows per step. Completion lengths follow a
-Pareto distribution (most answers short, a few near ``max_length``), the shape of real preference data. Every bucket
-or row shape is compiled in a first pass over the epoch; the second pass is timed. "Real tokens" excludes padding.
+``2 x max_length`` tokens holding whole pairs (``data.packing``); 4 rows per step. Shared prefix: the same rows with
+each pair's prompt written once (``data.shared_prefix``); 4 rows per step. Every bucket or row shape is compiled in a
+first pass over the epoch; the second pass is timed. "Real tokens" are the pairs' own tokens (chosen + rejected,
+prompt counted in both, no padding): the same count for every layout, so tokens/s compare the work done.
 
-    python benchmarks/packed_preference.py                 # 4 layers x 256, vocabulary 4,096, 128 pairs
+Two sets: ``heavy-tailed`` (completion lengths Pareto-distributed, most answers short and a few near
+``max_length``, prompts 16-48 tokens: the shape of real preference data) and ``prompt-heavy`` (each sequence's
+prompt three quarters of its tokens: long context, short answers).
+
+    python benchmarks/packed_preference.py                 # 4 layers x 256, vocabulary 4,096, 128 pairs per set
     python benchmarks/packed_preference.py --smoke         # seconds: checks the script
 """
 
@@ -45,72 +50,99 @@ def heavy_tailed_pairs(n: int, max_length: int, vocab: int, seed: int = 0) -> li
     return examples
 
 
-def real_tokens(batch: dict) -> int:
-    return int(sum(v.sum() for k, v in batch.items() if k.endswith("attention_mask")))
+def prompt_heavy_pairs(n: int, max_length: int, vocab: int, seed: int = 0) -> list[dict]:
+    """Completions of 8-40 tokens; the prompt three times the pair's mean completion length."""
+    rng = np.random.default_rng(seed)
+    examples = []
+    for _ in range(n):
+        sizes = rng.integers(8, 41, 2)
+        prompt = rng.integers(3, vocab, min(3 * int(sizes.mean()), max_length - int(sizes.max()))).tolist()
+        example = {}
+        for side, size in zip(("chosen", "rejected"), sizes, strict=True):
+            example[f"{side}_tokens"] = np.asarray(prompt + rng.integers(3, vocab, size).tolist(), np.int32)
+            example[f"{side}_loss_mask"] = np.asarray([0] * len(prompt) + [1] * int(size), np.int8)
+        examples.append(example)
+    return examples
+
+
+SETS = {"heavy-tailed": heavy_tailed_pairs, "prompt-heavy": prompt_heavy_pairs}
 
 
 def run_epoch(step, state, reference, pipeline: DataPipeline, timed: bool):
-    tokens, start = 0, time.perf_counter()
+    start = time.perf_counter()
     pipeline.restore({**pipeline.state(), "epoch": 0, "step": 0})
     for _ in range(pipeline.steps_per_epoch):
         batch = next(pipeline)
-        tokens += real_tokens(batch)
         state, _ = step(state, {k: jnp.asarray(v) for k, v in batch.items()}, reference)
     jax.block_until_ready(state)
     seconds = time.perf_counter() - start
+    used = [i for row in pipeline._epoch_units(0)[:pipeline.steps_per_epoch * pipeline.config.batch_size]
+            for i in row]
+    tokens = sum(len(pipeline.examples[i]["chosen_tokens"]) + len(pipeline.examples[i]["rejected_tokens"])
+                 for i in used)
     return state, {"seconds": seconds, "real_tokens": tokens, "tokens_per_s": tokens / seconds,
-                   "steps": pipeline.steps_per_epoch} if timed else None
+                   "steps": pipeline.steps_per_epoch, "pairs": len(used)} if timed else None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--sets", default="heavy-tailed,prompt-heavy")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if args.smoke:
         shape = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
-        n_pairs, max_length = 24, 64
+        n_pairs, max_length = 24, 160
     else:
         shape = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
                      num_kv_heads=2)
         n_pairs, max_length = 128, 512
     config = LlamaConfig(**shape)
-    examples = heavy_tailed_pairs(n_pairs, max_length, config.vocab_size)
-    lengths = np.array([len(e[f"{s}_tokens"]) for e in examples for s in ("chosen", "rejected")])
     graphdef, params = nnx.split(create_model(config, seed=0))
     params = nnx.to_pure_dict(params)
     reference = jax.tree.map(jnp.copy, params)
     tx, _ = make_optimizer(OPTIM, 100)
     step = make_train_step(graphdef, get_objective("dpo").fn, make_params("dpo"), tx)
+    rows = dict(batch_size=4, seed=0, packing=True, row_length=2 * max_length, max_pairs_per_row=32)
     layouts = {
         "padded (8 pairs per step, power-of-two buckets)": PipelineConfig(batch_size=8, seed=0),
-        f"packed (4 rows of {2 * max_length} tokens per step)": PipelineConfig(
-            batch_size=4, seed=0, packing=True, row_length=2 * max_length, max_pairs_per_row=32),
+        f"packed (4 rows of {2 * max_length} tokens per step)": PipelineConfig(**rows),
+        f"shared prefix (4 rows of {2 * max_length} tokens per step)": PipelineConfig(**rows, shared_prefix=True),
     }
-    results = {"shape": shape, "pairs": n_pairs, "max_length": max_length,
-               "length_percentiles": {p: float(np.percentile(lengths, p)) for p in (10, 50, 90, 99, 100)},
-               "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"), "rows": {}}
-    for name, pipeline_config in layouts.items():
-        pipeline = DataPipeline([examples], "preference", pipeline_config)
-        state = init_state(params, tx, 0, None)
-        start = time.perf_counter()
-        state, _ = run_epoch(step, state, reference, pipeline, timed=False)  # compiles every shape
-        compile_pass = time.perf_counter() - start
-        _, row = run_epoch(step, state, reference, pipeline, timed=True)
-        row["first_pass_s"] = compile_pass
-        results["rows"][name] = row
-        print(json.dumps({name: row}), flush=True)
-    padded, packed = results["rows"].values()
-    results["speedup"] = packed["tokens_per_s"] / padded["tokens_per_s"]
-    print(f"\nsequence lengths: p50 {results['length_percentiles'][50]:.0f}, p90 "
-          f"{results['length_percentiles'][90]:.0f}, p99 {results['length_percentiles'][99]:.0f}, max "
-          f"{results['length_percentiles'][100]:.0f}\n")
-    print("| layout | steps | real tokens | epoch (s) | real tokens/s |")
-    print("|---|---|---|---|---|")
-    for name, row in results["rows"].items():
-        print(f"| {name} | {row['steps']} | {row['real_tokens']:,} | {row['seconds']:.1f} | "
-              f"{row['tokens_per_s']:,.0f} |")
-    print(f"\npacked / padded real tokens/s: {results['speedup']:.2f}x")
+    results = {"shape": shape, "pairs": n_pairs, "max_length": max_length, "jax": jax.__version__,
+               "date": time.strftime("%Y-%m-%d"), "sets": {}}
+    for set_name in args.sets.split(","):
+        examples = SETS[set_name](n_pairs, max_length, config.vocab_size)
+        lengths = np.array([len(e[f"{s}_tokens"]) for e in examples for s in ("chosen", "rejected")])
+        prompt = np.mean([np.argmax(e[f"{s}_loss_mask"]) / len(e[f"{s}_tokens"]) for e in examples
+                          for s in ("chosen", "rejected")])
+        entry = {"length_percentiles": {p: float(np.percentile(lengths, p)) for p in (10, 50, 90, 99, 100)},
+                 "prompt_share": float(prompt), "rows": {}}
+        for name, pipeline_config in layouts.items():
+            pipeline = DataPipeline([examples], "preference", pipeline_config)
+            state = init_state(params, tx, 0, None)
+            start = time.perf_counter()
+            state, _ = run_epoch(step, state, reference, pipeline, timed=False)  # compiles every shape
+            compile_pass = time.perf_counter() - start
+            _, row = run_epoch(step, state, reference, pipeline, timed=True)
+            row["first_pass_s"] = compile_pass
+            entry["rows"][name] = row
+            print(json.dumps({set_name: {name: row}}), flush=True)
+        padded, packed, shared = entry["rows"].values()
+        entry["packed_over_padded"] = packed["tokens_per_s"] / padded["tokens_per_s"]
+        entry["shared_over_packed"] = shared["tokens_per_s"] / packed["tokens_per_s"]
+        entry["shared_over_padded"] = shared["tokens_per_s"] / padded["tokens_per_s"]
+        results["sets"][set_name] = entry
+        percentiles = entry["length_percentiles"]
+        print(f"\n{set_name}: sequence lengths p50 {percentiles[50]:.0f}, p90 {percentiles[90]:.0f}, p99 "
+              f"{percentiles[99]:.0f}, max {percentiles[100]:.0f}; prompt {100 * prompt:.0f} % of each sequence\n")
+        print("| layout | steps | pairs | real tokens | epoch (s) | real tokens/s |")
+        print("|---|---|---|---|---|---|")
+        for name, row in entry["rows"].items():
+            print(f"| {name} | {row['steps']} | {row['pairs']} | {row['real_tokens']:,} | {row['seconds']:.1f} | "
+                  f"{row['tokens_per_s']:,.0f} |")
+        print(f"\npacked / padded {entry['packed_over_padded']:.2f}x, shared prefix / packed "
+              f"{entry['shared_over_packed']:.2f}x, shared prefix / padded {entry['shared_over_padded']:.2f}x\n")
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(results, handle, indent=2)

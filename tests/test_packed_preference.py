@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxalign.data.batching import pack_rows, packed_batch, pad_batch
+from jaxalign.data.batching import pack_rows, packed_batch, pad_batch, shared_prompt_length
 from jaxalign.models import LlamaConfig, create_model
 from jaxalign.objectives import get_objective, make_params
 from jaxalign.train import load_config, train
@@ -64,6 +64,70 @@ def test_packed_equals_padded(name, params):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def shared_pairs(n: int, seed: int = 0) -> list[dict]:
+    """``pairs`` plus the cases a shared prefix must handle: completions that begin alike (the shared part stops
+    at the first trained token), a pair with no prompt (nothing to share) and a prompt-heavy pair."""
+    out = pairs(n, seed)
+    out[1]["rejected_tokens"][len(out[1]["rejected_tokens"]) - np.count_nonzero(out[1]["rejected_loss_mask"])] = \
+        out[1]["chosen_tokens"][len(out[1]["chosen_tokens"]) - np.count_nonzero(out[1]["chosen_loss_mask"])]
+    for side in ("chosen", "rejected"):
+        out[2][f"{side}_tokens"] = out[2][f"{side}_tokens"][np.asarray(out[2][f"{side}_loss_mask"], bool)]
+        out[2][f"{side}_loss_mask"] = np.ones(len(out[2][f"{side}_tokens"]), np.int8)
+    prompt = np.arange(3, 27, dtype=np.int32)
+    for side, completion in (("chosen", [40, 41]), ("rejected", [50, 51, 52])):
+        out[3][f"{side}_tokens"] = np.concatenate([prompt, completion]).astype(np.int32)
+        out[3][f"{side}_loss_mask"] = np.asarray([0] * len(prompt) + [1] * len(completion), np.int8)
+    return out
+
+
+def test_shared_prefix_rows_hold_each_prompt_once():
+    examples = shared_pairs(6)
+    assert [shared_prompt_length(e) for e in examples[:4]] == [
+        int(np.argmax(examples[0]["chosen_loss_mask"])), int(np.argmax(examples[1]["chosen_loss_mask"])), 0, 24]
+    rows = pack_rows(examples, 64, pairs=True, shared_prefix=True)
+    batch = packed_batch(examples, rows, 64, 0, pairs=True, max_pairs_per_row=4, shared_prefix=True)
+    unshared = pack_rows(examples, 64, pairs=True)
+    assert sum(batch["attention_mask"].sum(axis=1)) == sum(
+        len(e["chosen_tokens"]) + len(e["rejected_tokens"]) - shared_prompt_length(e) for e in examples)
+    assert len(rows) <= len(unshared)
+    for r, row in enumerate(rows):  # each sequence reads back from its prompt and its completion's segment
+        for k, index in enumerate(row):
+            example = examples[index]
+            for side, segment in (("chosen", 2 * k + 1), ("rejected", 2 * k + 2)):
+                where = np.flatnonzero(batch["segment_ids"][r] == segment)
+                prompt = np.flatnonzero(batch["segment_ids"][r] == batch["prefix_ids"][r, where[0]]) \
+                    if batch["prefix_ids"][r, where[0]] else np.zeros(0, int)
+                full = np.concatenate([prompt, where])
+                np.testing.assert_array_equal(batch["tokens"][r, full], example[f"{side}_tokens"])
+                np.testing.assert_array_equal(batch["positions"][r, full], np.arange(len(full)))
+                np.testing.assert_array_equal(batch["predictor_index"][r, full[1:]], full[:-1])
+                trained = np.asarray(example[f"{side}_loss_mask"], bool)
+                trained[0] = False
+                np.testing.assert_array_equal(batch["loss_mask"][r, full], trained)
+
+
+@pytest.mark.parametrize(("name", "params"), [("dpo", {"ld_alpha": 0.4, "use_weighting": True}),
+                                              ("dpo", {"loss_type": "ipo", "logps_chunk_size": 8}),
+                                              ("simpo", {}), ("orpo", {"nll": "trl"})])
+def test_shared_prefix_equals_padded(name, params):
+    """A pair's prompt computed once, its completions attending to it: the padded batch's losses and gradients."""
+    examples = shared_pairs(12, seed=4)
+    model, reference = create_model(TINY, seed=1), create_model(TINY, seed=2)
+    length = max(max(len(e["chosen_tokens"]), len(e["rejected_tokens"])) for e in examples)
+    padded = {k: jnp.asarray(v) for k, v in pad_batch(examples, "preference", length, 0).items()}
+    rows = pack_rows(examples, 64, pairs=True, shared_prefix=True)
+    shared = {k: jnp.asarray(v) for k, v in packed_batch(examples, rows, 64, 0, pairs=True, max_pairs_per_row=6,
+                                                        shared_prefix=True).items()}
+    padded_out = loss_and_grads(name, padded, model, reference if name == "dpo" else None, **params)
+    shared_out = loss_and_grads(name, shared, model, reference if name == "dpo" else None, **params)
+    np.testing.assert_allclose(shared_out[0], padded_out[0], rtol=1e-5, atol=1e-6)
+    for key in ("rewards/accuracy", "rewards/margins", "len/chosen", "nll_loss"):
+        if key in padded_out[1]:
+            assert float(shared_out[1][key].value) == pytest.approx(float(padded_out[1][key].value), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(shared_out[2]), jax.tree.leaves(padded_out[2]), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_packed_precomputed_reference_equals_padded():
     examples = pairs(10, seed=3)
@@ -81,12 +145,14 @@ def test_packed_precomputed_reference_equals_padded():
     np.testing.assert_allclose(b[0], a[0], rtol=1e-5)
 
 
-def test_packed_dpo_trains_end_to_end(tmp_path):
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_packed_dpo_trains_end_to_end(tmp_path, shared_prefix):
     common = ["--config.model.shape.hidden_size=32", "--config.model.shape.intermediate_size=64",
               "--config.model.shape.num_layers=1", "--config.model.shape.num_heads=2",
               "--config.model.shape.num_kv_heads=1", "--config.data.toy_size=200", "--config.data.toy_eval_size=16",
               "--config.data.max_length=48", "--config.train.steps=4", "--config.eval.generate=0",
               "--config.logging.tensorboard=False", "--config.logging.plot=False", "--config.train.batch_size=8",
-              "--config.data.packing=True", "--config.data.row_length=128"]
+              "--config.data.packing=True", "--config.data.row_length=128",
+              f"--config.data.shared_prefix={shared_prefix}"]
     summary = train(load_config("dpo", [*common, f"--config.workdir={tmp_path / 'run'}"]))
     assert summary["step"] == 4 and summary["final_eval"]["loss"] > 0

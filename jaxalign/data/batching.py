@@ -6,6 +6,12 @@ run compiles once per bucket, not once per length. Packing: several examples sha
 first token of every segment is never trained (nothing inside its segment predicts it). Pair-aware packing
 puts the chosen and rejected sequence of a pair in consecutive segments of the same row (chosen = odd id
 ``2k+1``, rejected = ``2k+2`` for the row's k-th pair) so per-segment log-prob sums recover the pairs.
+
+Shared-prefix packing (``shared_prefix``) writes a pair's prompt once: ``prompt, chosen completion, rejected
+completion``. The prompt is segment ``2K+k+1`` (``K = max_pairs_per_row``); each completion keeps its segment
+id, attends to its prompt through ``prefix_ids`` (the prompt's segment id, 0 elsewhere) and to itself, and
+its positions continue from the prompt's length. ``predictor_index`` names, for every token, the position whose
+output predicts it (the token before it, except at a completion's first token: the prompt's last).
 """
 
 from __future__ import annotations
@@ -94,13 +100,35 @@ def kl_rows(examples: Sequence[dict], length: int, pad_id: int) -> dict[str, np.
             "kl_loss_mask": _pad(masks, length, 0, np.int32)}
 
 
-def pack_rows(examples: Sequence[dict], row_length: int, *, pairs: bool = False) -> list[list[int]]:
+def shared_prompt_length(example: dict) -> int:
+    """Tokens a pair's chosen and rejected sequence share at the start, up to the first trained token of either
+    (the part shared-prefix packing writes once); each completion keeps at least one token."""
+    chosen, rejected = np.asarray(example["chosen_tokens"]), np.asarray(example["rejected_tokens"])
+    limit = min(len(chosen), len(rejected)) - 1
+    for mask in (example["chosen_loss_mask"], example["rejected_loss_mask"]):
+        trained = np.flatnonzero(np.asarray(mask))
+        limit = min(limit, int(trained[0]) if trained.size else limit)
+    differ = np.flatnonzero(chosen[:limit] != rejected[:limit])
+    return max(int(differ[0]) if differ.size else limit, 0)
+
+
+def packed_size(example: dict, *, pairs: bool = False, shared_prefix: bool = False) -> int:
+    """Row tokens an example takes when packed."""
+    if not pairs:
+        return len(example["tokens"])
+    size = len(example["chosen_tokens"]) + len(example["rejected_tokens"])
+    return size - shared_prompt_length(example) if shared_prefix else size
+
+
+def pack_rows(examples: Sequence[dict], row_length: int, *, pairs: bool = False,
+              shared_prefix: bool = False) -> list[list[int]]:
     """Next-fit packing: consecutive examples fill a row until the next one does not fit. Returns the example
-    indices of each row. With ``pairs``, an example's chosen and rejected sequences travel together."""
+    indices of each row. With ``pairs``, an example's chosen and rejected sequences travel together (with
+    ``shared_prefix``, their prompt counted once)."""
     rows: list[list[int]] = []
     used = row_length
     for index, example in enumerate(examples):
-        size = (len(example["chosen_tokens"]) + len(example["rejected_tokens"])) if pairs else len(example["tokens"])
+        size = packed_size(example, pairs=pairs, shared_prefix=shared_prefix)
         if size > row_length:
             raise ValueError(f"example {index} needs {size} tokens but rows hold {row_length}; raise the row length "
                              "or lower max_length")
@@ -112,39 +140,60 @@ def pack_rows(examples: Sequence[dict], row_length: int, *, pairs: bool = False)
     return rows
 
 
+def _pieces(example: dict, k: int, pairs: bool, shared_prefix: bool, max_pairs: int) -> list[tuple]:
+    """A packed example's pieces: (tokens, loss mask, segment id, first position, prefix segment id or 0)."""
+    if not pairs:
+        return [(example["tokens"], example["loss_mask"], k + 1, 0, 0)]
+    shared = shared_prompt_length(example) if shared_prefix else 0
+    pieces = [(example["chosen_tokens"][:shared], example["chosen_loss_mask"][:shared], 2 * max_pairs + k + 1,
+               0, 0)] if shared else []
+    prefix = 2 * max_pairs + k + 1 if shared else 0
+    for side, segment in (("chosen", 2 * k + 1), ("rejected", 2 * k + 2)):
+        pieces.append((example[f"{side}_tokens"][shared:], example[f"{side}_loss_mask"][shared:], segment, shared,
+                       prefix))
+    return pieces
+
+
 def packed_batch(examples: Sequence[dict], rows: Sequence[Sequence[int]], row_length: int, pad_id: int, *,
-                 pairs: bool = False, max_pairs_per_row: int = 0) -> dict[str, np.ndarray]:
+                 pairs: bool = False, max_pairs_per_row: int = 0, shared_prefix: bool = False) -> dict[str, np.ndarray]:
     """``[R, row_length]`` arrays for the given rows: ``tokens``, ``attention_mask``, ``loss_mask``,
-    ``segment_ids``, ``positions``; with ``pairs`` also ``pair_mask [R, max_pairs_per_row]``."""
+    ``segment_ids``, ``positions``; with ``pairs`` also ``pair_mask [R, max_pairs_per_row]``; with
+    ``shared_prefix`` also ``prefix_ids`` and ``predictor_index`` (see the module's docstring)."""
     n_rows = len(rows)
     tokens = np.full((n_rows, row_length), pad_id, np.int32)
     loss_mask = np.zeros((n_rows, row_length), np.int32)
     segment_ids = np.zeros((n_rows, row_length), np.int32)
     positions = np.zeros((n_rows, row_length), np.int32)
+    prefix_ids = np.zeros((n_rows, row_length), np.int32)
+    predictor = np.maximum(np.arange(row_length, dtype=np.int32) - 1, 0)[None].repeat(n_rows, 0)
     pair_mask = np.zeros((n_rows, max_pairs_per_row), np.int32)
     for r, row in enumerate(rows):
         cursor = 0
         if pairs and len(row) > max_pairs_per_row:
             raise ValueError(f"a packed row holds {len(row)} pairs but max_pairs_per_row={max_pairs_per_row}")
-        pieces = []
+        prompt_end = 0
         for k, index in enumerate(row):
-            example = examples[index]
             if pairs:
-                pieces += [(example["chosen_tokens"], example["chosen_loss_mask"], 2 * k + 1),
-                           (example["rejected_tokens"], example["rejected_loss_mask"], 2 * k + 2)]
                 pair_mask[r, k] = 1
-            else:
-                pieces.append((example["tokens"], example["loss_mask"], k + 1))
-        for seq, mask, segment in pieces:
-            end = cursor + len(seq)
-            tokens[r, cursor:end] = seq
-            loss_mask[r, cursor:end] = mask
-            loss_mask[r, cursor] = 0
-            segment_ids[r, cursor:end] = segment
-            positions[r, cursor:end] = np.arange(len(seq))
-            cursor = end
+            for seq, mask, segment, start, prefix in _pieces(examples[index], k, pairs, shared_prefix,
+                                                             max_pairs_per_row):
+                end = cursor + len(seq)
+                tokens[r, cursor:end] = seq
+                loss_mask[r, cursor:end] = mask
+                if prefix:  # the first token is predicted by the prompt's last
+                    predictor[r, cursor] = prompt_end - 1
+                    prefix_ids[r, cursor:end] = prefix
+                else:  # nothing in its own sequence predicts a sequence's first token
+                    loss_mask[r, cursor] = 0
+                segment_ids[r, cursor:end] = segment
+                positions[r, cursor:end] = start + np.arange(len(seq))
+                cursor = end
+                if segment > 2 * max_pairs_per_row:  # a shared prompt
+                    prompt_end = end
     batch = {"tokens": tokens, "attention_mask": (segment_ids > 0).astype(np.int32), "loss_mask": loss_mask,
              "segment_ids": segment_ids, "positions": positions}
+    if shared_prefix:
+        batch["prefix_ids"], batch["predictor_index"] = prefix_ids, predictor
     if pairs:
         batch["pair_mask"] = pair_mask
         for field in examples[rows[0][0]] if rows and rows[0] else ():
@@ -155,3 +204,44 @@ def packed_batch(examples: Sequence[dict], rows: Sequence[Sequence[int]], row_le
                         values[r, k] = examples[index][field]
                 batch[field] = values
     return batch
+
+
+GROUP_FIELDS = ("group_tokens", "group_attention_mask", "group_loss_mask", "group_segment_ids", "group_prefix_ids",
+                "group_positions", "group_predictor_index")
+
+
+def group_rows(tokens: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray, group_size: int,
+               completion_length: int) -> dict[str, np.ndarray]:
+    """A GRPO generation batch with each group's prompt written once: rows ``i·G ... i·G+G−1`` of ``tokens [N, P+C]``
+    (the same left-padded prompt of ``P`` slots, then ``C = completion_length`` completion slots, right-padded) become
+    one row ``[prompt, completion 1, ..., completion G]`` of ``P + G·C`` slots. The prompt is segment ``G+1``, the
+    completions segments ``1..G`` whose ``prefix_ids`` name the prompt; a completion's positions continue from the
+    prompt's length and its first token is predicted by the prompt's last slot (``predictor_index``). Returns the
+    ``GROUP_FIELDS`` ``[N/G, P+G·C]``."""
+    rows, width = tokens.shape
+    if rows % group_size:
+        raise ValueError(f"{rows} completions do not form groups of {group_size}")
+    groups, prompt = rows // group_size, width - completion_length
+    if prompt < 1:
+        raise ValueError("a shared-prefix group needs a prompt")
+    first = np.arange(groups) * group_size
+    grouped = lambda x: x[:, prompt:].reshape(groups, group_size * completion_length)  # noqa: E731
+    prompt_mask = attention_mask[first, :prompt]
+    completion_mask = attention_mask[:, prompt:].reshape(groups, group_size, completion_length)
+    prompt_length = prompt_mask.sum(axis=1)
+    segments = np.where(completion_mask > 0, np.arange(1, group_size + 1)[None, :, None], 0)
+    positions = prompt_length[:, None, None] + np.arange(completion_length)[None, None, :]
+    predictor = np.arange(prompt, prompt + group_size * completion_length).reshape(group_size, completion_length) - 1
+    predictor[:, 0] = prompt - 1  # each completion's first token: the prompt's last slot
+    out = {"group_tokens": np.concatenate([tokens[first, :prompt], grouped(tokens)], 1),
+           "group_attention_mask": np.concatenate([prompt_mask, grouped(attention_mask)], 1),
+           "group_loss_mask": np.concatenate([np.zeros_like(prompt_mask), grouped(loss_mask)], 1),
+           "group_segment_ids": np.concatenate([np.where(prompt_mask > 0, group_size + 1, 0),
+                                                segments.reshape(groups, -1)], 1),
+           "group_prefix_ids": np.concatenate([np.zeros_like(prompt_mask), np.where(
+               segments > 0, group_size + 1, 0).reshape(groups, -1)], 1),
+           "group_positions": np.concatenate([np.maximum(np.cumsum(prompt_mask, axis=1) - 1, 0),
+                                              positions.reshape(groups, -1)], 1),
+           "group_predictor_index": np.concatenate([np.maximum(np.arange(prompt) - 1, 0)[None].repeat(groups, 0),
+                                                    predictor.reshape(1, -1).repeat(groups, 0)], 1)}
+    return {name: value.astype(np.int32) for name, value in out.items()}

@@ -28,7 +28,8 @@ from jaxalign.data.batching import (
 class PipelineConfig:
     """``batch_size`` is global (rows per step over all hosts). ``packing`` fills rows of ``row_length``
     (SFT: examples; preference: whole pairs, at most ``max_pairs_per_row``). Without packing, sequences pad
-    to the smallest of ``buckets`` (default: powers of two up to the longest example) that fits."""
+    to the smallest of ``buckets`` (default: powers of two up to the longest example) that fits.
+    ``shared_prefix`` (packed preference data): each pair's prompt written once (``packed_batch``)."""
 
     batch_size: int
     seed: int = 0
@@ -37,6 +38,7 @@ class PipelineConfig:
     packing: bool = False
     row_length: int = 0
     max_pairs_per_row: int = 8
+    shared_prefix: bool = False
     buckets: tuple[int, ...] | None = None
     pad_id: int = 0
 
@@ -56,6 +58,9 @@ class DataPipeline:
             raise ValueError(f"packing is available for SFT and preference data, not {kind!r}")
         if config.packing and config.row_length <= 0:
             raise ValueError("packing needs row_length > 0")
+        if config.shared_prefix and not (config.packing and kind == "preference"):
+            raise ValueError(f"shared_prefix packs preference pairs: it needs packing and preference data, not "
+                             f"{kind!r} data{'' if config.packing else ' without packing'}")
         self.kind, self.config = kind, config
         self.num_hosts, self.host_index = num_hosts, host_index
         self.examples = [example for source in sources for example in source]
@@ -101,7 +106,8 @@ class DataPipeline:
             order = self.epoch_order(epoch)
             if self.config.packing:
                 examples = [self.examples[i] for i in order]
-                rows = pack_rows(examples, self.config.row_length, pairs=self.kind == "preference")
+                rows = pack_rows(examples, self.config.row_length, pairs=self.kind == "preference",
+                                 shared_prefix=self.config.shared_prefix)
                 self._units = [[int(order[j]) for j in row] for row in rows]
             else:
                 self._units = [[int(i)] for i in order]
@@ -131,7 +137,8 @@ class DataPipeline:
         rows = self._epoch_units(epoch)[step * size:(step + 1) * size]
         if self.config.packing:
             batch = packed_batch(self.examples, rows, self.config.row_length, self.config.pad_id,
-                                 pairs=self.kind == "preference", max_pairs_per_row=self.config.max_pairs_per_row)
+                                 pairs=self.kind == "preference", max_pairs_per_row=self.config.max_pairs_per_row,
+                                 shared_prefix=self.config.shared_prefix)
         else:
             examples = [self.examples[row[0]] for row in rows]
             length = bucket_length(max_sequence_length(examples, self.kind), self.buckets)

@@ -377,11 +377,15 @@ def positions_from_mask(attention_mask: jax.Array, segment_ids: jax.Array | None
     return index - start
 
 
-def _attention_mask(q_slots, k_slots, k_valid, q_segments, k_segments, window: int) -> jax.Array:
-    """``[B, T, S]``: key slot visible from query slot (causal, valid, same segment, inside the window)."""
+def _attention_mask(q_slots, k_slots, k_valid, q_segments, k_segments, window: int, q_prefixes=None) -> jax.Array:
+    """``[B, T, S]``: key slot visible from query slot (causal, valid, same segment or the query's prefix
+    segment, inside the window)."""
     mask = (k_slots[:, None, :] <= q_slots[:, :, None]) & k_valid[:, None, :]
     if q_segments is not None:
-        mask &= q_segments[:, :, None] == k_segments[:, None, :]
+        same = q_segments[:, :, None] == k_segments[:, None, :]
+        if q_prefixes is not None:
+            same |= q_prefixes[:, :, None] == k_segments[:, None, :]
+        mask &= same
     if window:
         mask &= q_slots[:, :, None] - k_slots[:, None, :] < window
     return mask
@@ -685,9 +689,11 @@ class LlamaForCausalLM(nnx.Module):
         inputs_embeds: jax.Array | None = None,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        prefix_ids: jax.Array | None = None,
         cache: KVCache | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
-        """Final-norm hidden states ``[B, T, D]`` and the updated cache (None without one)."""
+        """Final-norm hidden states ``[B, T, D]`` and the updated cache (None without one). ``prefix_ids``
+        (with ``segment_ids``; shared-prefix rows): a second segment each token also attends to (0 = none)."""
         if (tokens is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of tokens and inputs_embeds")
         x = self.embed(tokens) if inputs_embeds is None else inputs_embeds.astype(self.config.dtype)
@@ -697,6 +703,8 @@ class LlamaForCausalLM(nnx.Module):
         attention_mask = attention_mask.astype(bool)
         if cache is not None and segment_ids is not None:
             raise ValueError("segment_ids (packing) cannot be combined with a KV cache")
+        if prefix_ids is not None and segment_ids is None:
+            raise ValueError("prefix_ids name segments: pass segment_ids too")
 
         if cache is None:
             if positions is None:
@@ -713,7 +721,7 @@ class LlamaForCausalLM(nnx.Module):
 
         tables = {local: rotary_tables(self.config, positions, local)
                   for local in {self.config.local_rope(i) for i in range(self.config.num_layers)}}
-        masks = {window: _attention_mask(slots, k_slots, k_valid, segment_ids, k_segments, window)
+        masks = {window: _attention_mask(slots, k_slots, k_valid, segment_ids, k_segments, window, prefix_ids)
                  for window in {self.config.layer_window(i) for i in range(self.config.num_layers)}}
         x = constrain(x, ("batch", "length", "act_embed"))
 
@@ -742,6 +750,7 @@ class LlamaForCausalLM(nnx.Module):
         inputs_embeds: jax.Array | None = None,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        prefix_ids: jax.Array | None = None,
         cache: KVCache | None = None,
         return_hidden: bool = False,
     ) -> jax.Array | ModelOutput:
@@ -749,10 +758,12 @@ class LlamaForCausalLM(nnx.Module):
 
         tokens ``[B, T]`` int (or ``inputs_embeds [B, T, D]``); attention_mask ``[B, T]`` 1 on real tokens
         (left or right padding); positions ``[B, T]`` (default: counted over real tokens, per segment);
-        segment_ids ``[B, T]`` (packing; 0 = padding).
+        segment_ids ``[B, T]`` (packing; 0 = padding); prefix_ids ``[B, T]`` (shared-prefix packing: the segment a
+        token attends to besides its own, 0 = none; positions are then given).
         """
         hidden, new_cache = self.hidden_states(tokens, attention_mask, inputs_embeds=inputs_embeds,
-                                               positions=positions, segment_ids=segment_ids, cache=cache)
+                                               positions=positions, segment_ids=segment_ids, prefix_ids=prefix_ids,
+                                               cache=cache)
         logits = self.unembed(hidden)
         if cache is None and not return_hidden:
             return logits

@@ -105,16 +105,26 @@ def resolve_chunk_size(chunk_size: int, rows: int, length: int, vocab: int, back
 
 def policy_token_logps(model, tokens: jax.Array, attention_mask: jax.Array, loss_mask: jax.Array, *,
                        inputs_embeds: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                       chunk_size: int = 0, return_hidden: bool = False, temperature: float = 1.0):
+                       shared: Mapping[str, jax.Array] | None = None, chunk_size: int = 0,
+                       return_hidden: bool = False, temperature: float = 1.0):
     """Token log-probs ``[B, T]`` of ``tokens`` under ``model`` (and the final hidden states if asked);
     ``temperature != 1``: of ``softmax(logits / temperature)`` (RL's sampling distribution, as TRL trains it).
+
+    ``shared``: shared-prefix rows' ``positions``, ``prefix_ids`` and ``predictor_index`` (``packed_batch``); the
+    hidden state at slot ``t`` is then the one that predicts token ``t + 1`` (its prompt's last for a completion's
+    first token), and the returned hidden states are in that order.
 
     ``chunk_size > 0`` takes the fused, memory-light path (``token_logps_from_hidden``, vocabulary tiles of
     ``chunk_size`` columns): the ``[B, T, V]`` logits are never held at once; ``-1`` chooses
     (``resolve_chunk_size``).
     """
+    extra = {} if shared is None else {"positions": shared["positions"], "prefix_ids": shared["prefix_ids"]}
     hidden, _ = model.hidden_states(None if inputs_embeds is not None else tokens, attention_mask,
-                                    inputs_embeds=inputs_embeds, segment_ids=segment_ids)
+                                    inputs_embeds=inputs_embeds, segment_ids=segment_ids, **extra)
+    if shared is not None:  # slot t takes the state that predicts token t + 1
+        source = jnp.asarray(shared["predictor_index"], jnp.int32)
+        source = jnp.concatenate([source[:, 1:], jnp.full_like(source[:, :1], tokens.shape[1] - 1)], axis=1)
+        hidden = jnp.take_along_axis(hidden, source[..., None], axis=1)
     chunk_size = resolve_chunk_size(chunk_size, tokens.shape[0], tokens.shape[1], model.config.vocab_size)
     # the temperature divides the logits: through a linear head that is dividing the hidden states; a soft-capped
     # head is not linear, so there it divides the capped logits (as TRL divides the model's logits)

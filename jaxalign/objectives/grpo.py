@@ -30,7 +30,8 @@ class GRPOParams(EngineParams):
     completion ends after the token that completes one (it stays in the text). ``sampling_correction``: TRL's
     truncated / masked importance sampling for the sampler-trainer mismatch (``losses.sampling_correction``;
     the sampling policy's log-probs are then always recomputed by the trainer), bounds ``sampling_clip_min``
-    (0 = none) and ``sampling_clip_max`` (0 = none)."""
+    (0 = none) and ``sampling_clip_max`` (0 = none). ``shared_prefix``: the training forward passes take each
+    group's prompt once (one row per group, ``data.batching.group_rows``); the same loss and gradients."""
 
     loss_type: str = "dapo"
     beta: float = 0.0
@@ -59,6 +60,7 @@ class GRPOParams(EngineParams):
     sampling_correction: str = "none"
     sampling_clip_min: float = 0.0
     sampling_clip_max: float = 3.0
+    shared_prefix: bool = False
 
     @property
     def reference_free(self) -> bool:  # the frozen reference is held only for the KL term
@@ -114,6 +116,9 @@ class GRPOParams(EngineParams):
         if (self.prompts_per_step * self.num_generations) % self.steps_per_generation:
             problems.append(f"prompts_per_step x num_generations = {self.prompts_per_step * self.num_generations} "
                             f"completions do not split into steps_per_generation={self.steps_per_generation} steps")
+        elif self.shared_prefix and self.prompts_per_step % self.steps_per_generation:
+            problems.append(f"shared_prefix trains whole groups: prompts_per_step={self.prompts_per_step} must be a "
+                            f"multiple of steps_per_generation={self.steps_per_generation}")
         if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             problems.append(f"temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k}: need "
                             "temperature > 0 (greedy completions of a prompt are all equal), 0 < top_p <= 1, "
@@ -126,26 +131,46 @@ class GRPOParams(EngineParams):
             raise ValueError("; ".join(problems))
 
 
+def completion_logps(model, batch, *, chunk_size: int = 0, temperature: float = 1.0) -> jax.Array:
+    """Per-token log-probs ``[N, P+C]`` of the batch's ``tokens`` (0 where nothing is trained). With the
+    ``group_*`` fields of shared-prefix rows (``data.batching.group_rows``) the forward pass runs on those, each
+    group's prompt once, and the completions' log-probs are laid back out in the ``[N, P+C]`` rows."""
+    tokens, attention_mask, loss_mask = require(batch, "tokens", "attention_mask", "loss_mask", objective="grpo")
+    if "group_tokens" not in batch:
+        return policy_token_logps(model, tokens, attention_mask, loss_mask, chunk_size=chunk_size,
+                                  temperature=temperature)
+    rows, width = loss_mask.shape
+    groups, slots = batch["group_tokens"].shape
+    size = rows // groups
+    completion = (slots - width) // (size - 1)
+    shared = {"positions": batch["group_positions"], "prefix_ids": batch["group_prefix_ids"],
+              "predictor_index": batch["group_predictor_index"]}
+    logps = policy_token_logps(model, batch["group_tokens"], batch["group_attention_mask"],
+                               batch["group_loss_mask"], segment_ids=batch["group_segment_ids"], shared=shared,
+                               chunk_size=chunk_size, temperature=temperature)
+    prompt = width - completion
+    completions = logps[:, prompt:].reshape(rows, completion)
+    return jnp.concatenate([jnp.zeros((rows, prompt), completions.dtype), completions], axis=1)
+
+
 def grpo(model, batch, hparams: GRPOParams = GRPOParams(), *, reference=None, **_):
     """Batch fields: ``tokens``, ``attention_mask``, ``loss_mask`` ``[B, T]`` (prompt + completion; the loss mask
     marks completion tokens up to and including EOS), ``advantages [B]``; optional ``old_logps [B, T]`` (the
     sampling policy's, when the batch is trained on more than once; otherwise the ratio is exactly 1),
-    ``sampling_logps [B, T]`` (the sampler's own, for ``sampling_correction``) and ``loss_share [B]`` (each row's
-    share of the loss denominator, for ``steps_per_generation > 1``). Log-probs are of ``softmax(logits /
-    temperature)``, as TRL trains them."""
-    tokens, attention_mask, loss_mask, advantages = require(batch, "tokens", "attention_mask", "loss_mask",
-                                                            "advantages", objective="grpo")
+    ``sampling_logps [B, T]`` (the sampler's own, for ``sampling_correction``), ``loss_share [B]`` (each row's
+    share of the loss denominator, for ``steps_per_generation > 1``) and the ``group_*`` rows of
+    ``shared_prefix`` (``completion_logps``). Log-probs are of ``softmax(logits / temperature)``, as TRL trains
+    them."""
+    loss_mask, advantages = require(batch, "loss_mask", "advantages", objective="grpo")
+    options = {"chunk_size": hparams.logps_chunk_size, "temperature": hparams.temperature}
     with jax.named_scope("policy"):
-        logps = policy_token_logps(model, tokens, attention_mask, loss_mask, chunk_size=hparams.logps_chunk_size,
-                                   temperature=hparams.temperature)
+        logps = completion_logps(model, batch, **options)
     old = batch.get("old_logps")
     old = jax.lax.stop_gradient(logps) if old is None else old
     ref = None
     if hparams.beta != 0.0:
         with jax.named_scope("reference"):
-            ref = jax.lax.stop_gradient(policy_token_logps(reference, tokens, attention_mask, loss_mask,
-                                                           chunk_size=hparams.logps_chunk_size,
-                                                           temperature=hparams.temperature))
+            ref = jax.lax.stop_gradient(completion_logps(reference, batch, **options))
     weights = None
     if hparams.sampling_correction != "none":
         sampled = require(batch, "sampling_logps", objective="grpo (sampling_correction)")[0]

@@ -29,8 +29,12 @@ from jaxalign.objectives.common import (
 
 def is_packed(batch) -> bool:
     """Pair-packed rows (``data.packing`` with preference data): ``tokens``/``segment_ids`` ``[R, L]`` holding
-    each pair's chosen and rejected sequence as segments ``2k+1`` and ``2k+2``, ``pair_mask [R, P]``."""
+    each pair's chosen and rejected sequence as segments ``2k+1`` and ``2k+2``, ``pair_mask [R, P]``; with
+    ``data.shared_prefix`` the pair's prompt once, as segment ``2P+k+1`` (``prefix_ids``, ``predictor_index``)."""
     return "pair_mask" in batch
+
+
+SHARED_FIELDS = ("positions", "prefix_ids", "predictor_index")
 
 
 def pair_weights(batch, size: int) -> jax.Array:
@@ -98,6 +102,8 @@ def pair_sums(model, batch, objective: str, *, chunk_size: int = 0, scope: str =
     ``whole_sequence`` adds ``chosen_whole``/``chosen_whole_len``: the summed log-probs and count of every real token
     of the chosen sequence that something predicts (prompt and response, not the first token), TRL's ORPO NLL."""
     packed = is_packed(batch)
+    shared = dict(zip(SHARED_FIELDS, require(batch, *SHARED_FIELDS, objective=f"shared-prefix {objective}"),
+                      strict=True)) if packed and "prefix_ids" in batch else None
     if packed:
         tokens, attention_mask, loss_mask, segments = require(batch, "tokens", "attention_mask", "loss_mask",
                                                               "segment_ids", objective=f"packed {objective}")
@@ -110,10 +116,13 @@ def pair_sums(model, batch, objective: str, *, chunk_size: int = 0, scope: str =
         real = jnp.asarray(attention_mask, bool)
         first = jnp.concatenate([jnp.ones_like(real[:, :1]), (segments[:, 1:] != segments[:, :-1]) if packed
                                  else jnp.zeros_like(real[:, 1:])], axis=1)
+        if shared is not None:  # a completion's first token is predicted by its prompt
+            first &= shared["prefix_ids"] == 0
         predicted = real & ~first
     with jax.named_scope(scope):
         logps, hidden = policy_token_logps(model, tokens, attention_mask, predicted if whole_sequence else loss_mask,
-                                           segment_ids=segments, chunk_size=chunk_size, return_hidden=True)
+                                           segment_ids=segments, shared=shared, chunk_size=chunk_size,
+                                           return_hidden=True)
 
     def membership(mask):  # [R, L, S]: the sequence each marked token belongs to (segment 0 = padding)
         if packed:
@@ -142,6 +151,11 @@ def pair_sums(model, batch, objective: str, *, chunk_size: int = 0, scope: str =
         whole = membership(predicted)
         out["chosen_whole"], _ = _pairs(jnp.einsum("rl,rls->rs", logps, whole), packed)
         out["chosen_whole_len"], _ = _pairs(whole.sum(axis=1), packed)
+        if shared is not None:  # the shared prompt's tokens belong to the chosen sequence too
+            prompts = n_segments + 1 + jnp.arange(n_segments // 2)
+            member = ((segments[..., None] == prompts) & predicted[..., None]).astype(jnp.float32)
+            out["chosen_whole"] += jnp.einsum("rl,rlk->rk", logps, member).reshape(-1)
+            out["chosen_whole_len"] += member.sum(axis=1).reshape(-1)
     return out
 
 

@@ -22,11 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxalign.data.batching import group_rows
 from jaxalign.data.sources import read_records
 from jaxalign.data.tokenize import padding_id
 from jaxalign.data.toy import write_jsonl
 from jaxalign.losses import group_advantages
-from jaxalign.objectives.common import policy_token_logps
+from jaxalign.objectives.grpo import completion_logps
 from jaxalign.parallel.distributed import gather_rows, to_host
 from jaxalign.rl.rewards import combine, resolve, score
 from jaxalign.sampling.generate import left_pad, sample, stop_string_lengths
@@ -148,6 +149,10 @@ class GRPORun:
                 raise ValueError(f"{rows} completions per optimizer step do not split over {self.processes} "
                                  "processes: make prompts_per_step x num_generations / steps_per_generation a "
                                  "multiple of the process count")
+            if self.hp.shared_prefix and (rows // self.hp.num_generations) % self.processes:
+                raise ValueError(f"objective.params.shared_prefix trains whole groups: the "
+                                 f"{rows // self.hp.num_generations} groups per optimizer step do not split over "
+                                 f"{self.processes} processes")
             if self.hp.dynamic_sampling:
                 raise ValueError("objective.params.dynamic_sampling runs in one process for now "
                                  f"({self.processes} processes joined)")
@@ -188,8 +193,7 @@ class GRPORun:
         @jax.jit
         def old_logps(params, frozen, batch):
             model = engine.parts.policy(params, frozen, None)
-            return policy_token_logps(model, batch["tokens"], batch["attention_mask"], batch["loss_mask"],
-                                      chunk_size=hp.logps_chunk_size, temperature=hp.temperature)
+            return completion_logps(model, batch, chunk_size=hp.logps_chunk_size, temperature=hp.temperature)
 
         self._old_logps = old_logps
 
@@ -248,6 +252,16 @@ class GRPORun:
         share = rows // self.processes
         return slice(self.process * share, (self.process + 1) * share)
 
+    def device_rows(self, batch: dict, rows: np.ndarray, fields: tuple[str, ...] | None = None) -> dict:
+        """This process's share of ``rows`` of a generation batch (``fields`` of it, default all), on the devices;
+        with ``shared_prefix`` also the rows of whole groups (``group_rows``)."""
+        mine = rows[self.local_rows(len(rows))]
+        local = {k: batch[k][mine] for k in (fields or batch)}
+        if self.hp.shared_prefix:  # whole groups: steps and processes split at group boundaries (checked)
+            local.update(group_rows(local["tokens"], local["attention_mask"], local["loss_mask"],
+                                    self.hp.num_generations, self.hp.max_completion_length))
+        return device_batch(self.engine.batch_sharding, local)
+
     def update(self, rollouts: Rollouts) -> dict:
         """``num_iterations`` passes of ``steps_per_generation`` optimizer steps over the generation batch."""
         hp, engine = self.hp, self.engine
@@ -255,9 +269,7 @@ class GRPORun:
         rows = len(batch["advantages"])
         frozen = () if engine.frozen is None else (engine.frozen,)
         if hp.recompute_old_logps:  # the sampling policy's log-probs by the trainer's forward, kept fixed
-            mine = self.local_rows(rows)
-            placed = device_batch(engine.batch_sharding, {k: batch[k][mine] for k in ("tokens", "attention_mask",
-                                                                                      "loss_mask")})
+            placed = self.device_rows(batch, np.arange(rows), ("tokens", "attention_mask", "loss_mask"))
             batch["old_logps"] = to_host(self._old_logps(engine.state.params, engine.frozen, placed))
         if hp.steps_per_generation > 1:  # TRL: each step's share of the generation batch's tokens
             batch["loss_share"] = np.full(rows, batch["loss_mask"].sum() / hp.steps_per_generation
@@ -266,8 +278,7 @@ class GRPORun:
         window, counts = {}, []
         for _ in range(hp.num_iterations):
             for part in parts:
-                mine = part[self.local_rows(len(part))]  # this process's rows of the step's share
-                chunk = device_batch(engine.batch_sharding, {k: v[mine] for k, v in batch.items()})
+                chunk = self.device_rows(batch, part)
                 engine.state, metrics = engine.train_step(engine.state, chunk, *frozen)
                 self.step += 1
                 window = metrics if not window else jax.tree.map(jnp.add, window, metrics)

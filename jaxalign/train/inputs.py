@@ -143,7 +143,8 @@ def _load(spec: RunSpec, engine, workdir: Path, staging: Path, log: Callable[[st
     hosts = dict(num_hosts=jax.process_count(), host_index=jax.process_index())
     pipeline = DataPipeline(sources, kind, PipelineConfig(
         batch_size=spec.train.batch_size, seed=spec.seed, shuffle=data.shuffle, weights=data.mixture_weights(),
-        packing=data.packing, row_length=data.row_length, max_pairs_per_row=data.max_pairs_per_row, pad_id=pad_id),
+        packing=data.packing, row_length=data.row_length, max_pairs_per_row=data.max_pairs_per_row,
+        shared_prefix=data.shared_prefix, pad_id=pad_id),
         **hosts)
     eval_pipeline, eval_records = None, []
     if eval_sources:

@@ -120,6 +120,7 @@ class DataSpec:
     packing: bool = False
     row_length: int = 0
     max_pairs_per_row: int = 8
+    shared_prefix: bool = False
     shuffle: bool = True
 
     def tokenize_config(self) -> TokenizeConfig:
@@ -169,6 +170,11 @@ class DataSpec:
         elif self.packing and getattr(run.objective.params, "samples_completions", False):
             problems.append("data.packing cannot serve objective.params.lmbda > 0 or seq_kd=True: the sampled "
                             "completions replace each row's own; set data.packing=False")
+        elif entry is not None and self.shared_prefix and not (self.packing and entry.data_kind == "preference"):
+            pairs = [n for n, o in OBJECTIVES.items() if o.packing and o.data_kind == "preference"]
+            problems.append(f"data.shared_prefix writes each pair's prompt once in packed rows: it needs "
+                            f"data.packing=True and a pair objective ({', '.join(pairs)}), not "
+                            f"{run.objective.name}{'' if self.packing else ' without packing'}")
         elif entry is not None and self.packing:
             rows = entry.rows_per_example
             needed = self.max_length * rows
@@ -400,6 +406,14 @@ class MeshSpec:
                             f"by the {self.data_parallel(num_devices)} data-parallel shards (mesh data x fsdp x "
                             "expert); "
                             "change train.batch_size or the mesh")
+        params = run.objective.params
+        if getattr(params, "shared_prefix", False) and run.objective.name == "grpo":
+            groups, shards = rows // params.num_generations, self.data_parallel(num_devices)
+            if rows % params.num_generations or groups % shards:
+                problems.append(f"objective.params.shared_prefix trains one row per group: the {rows} completions "
+                                f"of a micro-batch make {rows / params.num_generations:g} groups of "
+                                f"num_generations={params.num_generations}, which must be a whole number divisible "
+                                f"by the {shards} data-parallel shards; change train.grad_accum or the mesh")
         return problems
 
 
