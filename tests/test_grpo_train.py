@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from test_train import SMALL
 
+from jaxalign.data.batching import group_rows
 from jaxalign.models import create_model
 from jaxalign.objectives import GRPOParams, get_objective
 from jaxalign.sampling import sample
@@ -77,6 +78,58 @@ def test_grpo_objective_micro_batches_give_the_whole_batch_update(tiny_config, l
     assert np.max(np.abs(split - whole)) <= 1e-5 * np.max(np.abs(whole))  # float32 sums in another order
 
 
+def grouped_rollout_batch(seed=0, groups=2, size=4, prompt=6, completion=5, vocab=128):
+    """``rollout_batch`` as the trainer makes it: each group's rows start with the same left-padded prompt."""
+    rng = np.random.default_rng(seed)
+    batch = rollout_batch(seed, groups * size, prompt, completion, vocab)
+    for g in range(groups):
+        rows = slice(g * size, (g + 1) * size)
+        pad = rng.integers(0, prompt - 1)  # left padding of this group's prompt
+        batch["tokens"][rows, :prompt] = np.where(np.arange(prompt) < pad, 0, rng.integers(3, vocab, prompt))
+        batch["attention_mask"][rows, :prompt] = np.arange(prompt) >= pad
+    return batch
+
+
+def test_group_rows_hold_each_prompt_once():
+    batch = grouped_rollout_batch()
+    rows = group_rows(batch["tokens"], batch["attention_mask"], batch["loss_mask"], 4, 5)
+    assert rows["group_tokens"].shape == (2, 6 + 4 * 5)
+    for g in range(2):
+        for j in range(4):  # completion j of group g reads back with its prompt, positions and predictors
+            row = g * 4 + j
+            real = np.flatnonzero(batch["attention_mask"][row])
+            slots = np.concatenate([real[real < 6], 6 + j * 5 + real[real >= 6] - 6])
+            np.testing.assert_array_equal(rows["group_tokens"][g, slots], batch["tokens"][row, real])
+            np.testing.assert_array_equal(rows["group_positions"][g, slots], np.arange(len(real)))
+            np.testing.assert_array_equal(rows["group_predictor_index"][g, slots[1:]], slots[:-1])
+            assert set(rows["group_segment_ids"][g, slots[slots >= 6]]) <= {j + 1}
+            assert set(rows["group_prefix_ids"][g, slots[slots >= 6]]) <= {5}
+
+
+@pytest.mark.parametrize("hp", [dict(loss_type="dapo", beta=0.04), dict(loss_type="grpo",
+                                                                        importance_sampling_level="sequence")])
+def test_shared_prefix_groups_give_the_repeated_prompt_loss_and_gradients(tiny_config, hp):
+    model, reference = create_model(tiny_config, seed=1), create_model(tiny_config, seed=2)
+    graphdef, params = nnx.split(model)
+    hp = GRPOParams(**hp, max_completion_length=5, logps_chunk_size=0)
+    objective = get_objective("grpo").fn
+    batch = grouped_rollout_batch()
+    shared = {**batch, **group_rows(batch["tokens"], batch["attention_mask"], batch["loss_mask"], 4, 5)}
+
+    def loss(p, b):
+        value, metrics = objective(nnx.merge(graphdef, p), {k: jnp.asarray(v) for k, v in b.items()}, hp,
+                                   reference=reference)
+        return value, metrics
+
+    (a, metrics_a), grads_a = jax.value_and_grad(loss, has_aux=True)(params, batch)
+    (b, metrics_b), grads_b = jax.value_and_grad(loss, has_aux=True)(params, shared)
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+    for key in metrics_a:
+        np.testing.assert_allclose(metrics_b[key].value, metrics_a[key].value, rtol=1e-5, atol=1e-6)
+    for x, y in zip(jax.tree.leaves(grads_b), jax.tree.leaves(grads_a), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-6)
+
+
 def final_params(workdir):
     model, _, step = restore_model(workdir)
     return step, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
@@ -109,6 +162,17 @@ def test_grpo_run_end_to_end(uninterrupted, tmp_path):
     AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)  # loads in transformers
 
 
+def test_a_shared_prefix_run_equals_the_repeated_prompt_run(uninterrupted, tmp_path):
+    reference_dir, _ = uninterrupted
+    workdir = tmp_path / "run"
+    summary = train(grpo_config(workdir, "--config.objective.params.shared_prefix=True",
+                                "--config.mesh.data=4", "--config.mesh.tensor=2"))  # 4 groups: 4 data shards
+    assert summary["step"] == 4
+    (_, a), (_, b) = final_params(workdir), final_params(reference_dir)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, atol=2e-5)
+
+
 def test_grpo_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path):
     reference_dir, _ = uninterrupted
     workdir = tmp_path / "run"
@@ -132,6 +196,10 @@ def test_grpo_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path):
     (["--config.objective.params.stop_strings=[1, 2]"], "stop_strings=.* a JSON list must hold non-empty strings"),
     (["--config.objective.params.sampling_correction=token"], "sampling_correction='token'; choose one of"),
     (["--config.objective.params.temperature=0"], "temperature > 0"),
+    (["--config.objective.params.shared_prefix=True"], "make 4 groups of num_generations=4, which must be a whole "
+                                                       "number divisible by the 8 data-parallel shards"),
+    (["--config.objective.params.shared_prefix=True", "--config.objective.params.steps_per_generation=8",
+      "--config.train.batch_size=2"], "prompts_per_step=4 must be a multiple of steps_per_generation=8"),
 ])
 def test_bad_grpo_configs_are_refused(overrides, message, tmp_path):
     with pytest.raises(ConfigError, match=message):

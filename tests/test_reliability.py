@@ -344,6 +344,8 @@ def test_too_many_skipped_updates_is_a_failed_run_not_done(monkeypatch, tmp_path
      ["data.packing is supported for sft, ift, dpo, simpo, orpo, cpo and distill, not mpo"]),
     (["--config.data.packing=True", "--config.data.row_length=100"],
      ["data.packing needs data.row_length >= 128 (a whole pair: 2 x data.max_length)"]),
+    (["--config.data.shared_prefix=True"], ["data.shared_prefix writes each pair's prompt once in packed rows: it "
+                                            "needs data.packing=True", "not dpo without packing"]),
     (["--config.optim.schedule=warmup_stable"], ["optim.schedule='warmup_stable'"]),
     (["--config.train.steps=0", "--config.data.on_invalid=ignore"], ["train.steps=0", "data.on_invalid='ignore'"]),
 ])

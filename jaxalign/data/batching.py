@@ -230,7 +230,8 @@ def group_rows(tokens: np.ndarray, attention_mask: np.ndarray, loss_mask: np.nda
     completion_mask = attention_mask[:, prompt:].reshape(groups, group_size, completion_length)
     prompt_length = prompt_mask.sum(axis=1)
     segments = np.where(completion_mask > 0, np.arange(1, group_size + 1)[None, :, None], 0)
-    positions = prompt_length[:, None, None] + np.arange(completion_length)[None, None, :]
+    positions = np.broadcast_to(prompt_length[:, None, None] + np.arange(completion_length)[None, None, :],
+                                completion_mask.shape)
     predictor = np.arange(prompt, prompt + group_size * completion_length).reshape(group_size, completion_length) - 1
     predictor[:, 0] = prompt - 1  # each completion's first token: the prompt's last slot
     out = {"group_tokens": np.concatenate([tokens[first, :prompt], grouped(tokens)], 1),
