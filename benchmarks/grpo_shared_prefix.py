@@ -95,7 +95,7 @@ def main() -> None:
           "| shared / repeated | loss (repeated, shared) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for share in (0.75, 0.875):
-        prompt = int(round(completion * share / (1 - share)))
+        prompt = round(completion * share / (1 - share))
         batch = generation_batch(groups, size, prompt, completion, config.vocab_size)
         shared = {**batch, **group_rows(batch["tokens"], batch["attention_mask"], batch["loss_mask"], size,
                                         completion)}

@@ -95,6 +95,7 @@ def test_frozen_entries_stay_bit_identical_under_adamw():
         assert (now[~f] != was[~f]).all()
 
 
+@pytest.mark.slow  # end to end; the default suite keeps its parts
 def test_masks_and_fusion_on_a_sharded_model(mesh8):
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
                          num_kv_heads=2)
@@ -112,6 +113,7 @@ def test_masks_and_fusion_on_a_sharded_model(mesh8):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+@pytest.mark.slow  # end to end; the default suite keeps its parts
 def test_pipeline_runs_end_to_end(tmp_path):
     from jaxalign.cpi.pipeline import run
     from jaxalign.train import load_config

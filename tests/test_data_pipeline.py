@@ -137,6 +137,7 @@ def test_mpo_batches(tok, tmp_path):
         DataPipeline([examples], "mpo", PipelineConfig(batch_size=4, packing=True, row_length=64))
 
 
+@pytest.mark.slow  # end to end; the default suite keeps its parts
 def test_pipeline_batches_feed_the_objectives(tok, sft_examples, pair_examples, tmp_path):
     import jax.numpy as jnp
 

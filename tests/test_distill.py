@@ -74,6 +74,7 @@ def teacher(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow  # end to end; the default suite keeps its parts
 def test_distill_trains_a_student_from_a_larger_teacher(teacher, tmp_path):
     from test_train import SMALL, small_config
 
@@ -198,6 +199,7 @@ GKD = ["--config.objective.params.lmbda=0.5", "--config.objective.params.seq_kd=
        "--config.eval.generate=0", "--config.train.log_every=2"]  # a run cut at step 2 has the same schedule
 
 
+@pytest.mark.slow  # end to end; the default suite keeps its parts
 def test_gkd_samples_from_the_student_and_the_teacher_and_resumes_bit_for_bit(teacher, tmp_path):
     from test_distributed import params_of
     from test_train import SMALL, small_config

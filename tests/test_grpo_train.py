@@ -142,6 +142,7 @@ def uninterrupted(tmp_path_factory):
     return workdir, summary
 
 
+@pytest.mark.slow  # end to end; the default suite keeps its parts
 def test_grpo_run_end_to_end(uninterrupted, tmp_path):
     workdir, summary = uninterrupted
     assert summary["step"] == 4 and (workdir / "sft" / "hf" / "config.json").exists()  # trained SFT first
@@ -162,6 +163,7 @@ def test_grpo_run_end_to_end(uninterrupted, tmp_path):
     AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)  # loads in transformers
 
 
+@pytest.mark.slow  # end to end; the default suite keeps its parts
 def test_a_shared_prefix_run_equals_the_repeated_prompt_run(uninterrupted, tmp_path):
     reference_dir, _ = uninterrupted
     workdir = tmp_path / "run"
@@ -173,6 +175,7 @@ def test_a_shared_prefix_run_equals_the_repeated_prompt_run(uninterrupted, tmp_p
         np.testing.assert_allclose(x, y, atol=2e-5)
 
 
+@pytest.mark.slow  # end to end; the default suite keeps its parts
 def test_grpo_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path):
     reference_dir, _ = uninterrupted
     workdir = tmp_path / "run"

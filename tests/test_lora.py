@@ -144,6 +144,7 @@ def train_losses(workdir):
     return [r["loss"] for r in rows if r["split"] == "train"]
 
 
+@pytest.mark.slow  # end to end; the default suite keeps its parts
 def test_dpo_lora_starts_at_ln2_resumes_and_exports(tmp_path, capsys):
     """DPO through the CLI with the adapter-free base as reference; adapter-only checkpoints; resume; both
     export forms load in transformers / PEFT with our logits."""

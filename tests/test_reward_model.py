@@ -148,6 +148,7 @@ def test_margin_field_is_validated_and_batched(tmp_path):
                      PipelineConfig(batch_size=2))
 
 
+@pytest.mark.slow  # end to end; the default suite keeps its parts
 def test_reward_run_exports_a_sequence_classifier_and_serves_grpo(tmp_path):
     from test_grpo_train import grpo_config
     from test_train import small_config

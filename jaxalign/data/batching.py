@@ -225,7 +225,10 @@ def group_rows(tokens: np.ndarray, attention_mask: np.ndarray, loss_mask: np.nda
     if prompt < 1:
         raise ValueError("a shared-prefix group needs a prompt")
     first = np.arange(groups) * group_size
-    grouped = lambda x: x[:, prompt:].reshape(groups, group_size * completion_length)  # noqa: E731
+
+    def grouped(x):  # a group's completion slots, one after another
+        return x[:, prompt:].reshape(groups, group_size * completion_length)
+
     prompt_mask = attention_mask[first, :prompt]
     completion_mask = attention_mask[:, prompt:].reshape(groups, group_size, completion_length)
     prompt_length = prompt_mask.sum(axis=1)
