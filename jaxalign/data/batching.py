@@ -188,7 +188,7 @@ def packed_batch(examples: Sequence[dict], rows: Sequence[Sequence[int]], row_le
                 segment_ids[r, cursor:end] = segment
                 positions[r, cursor:end] = start + np.arange(len(seq))
                 cursor = end
-                if segment > 2 * max_pairs_per_row:  # a shared prompt
+                if not prefix:  # a shared prompt (or a piece no later one attends to)
                     prompt_end = end
     batch = {"tokens": tokens, "attention_mask": (segment_ids > 0).astype(np.int32), "loss_mask": loss_mask,
              "segment_ids": segment_ids, "positions": positions}
@@ -206,18 +206,15 @@ def packed_batch(examples: Sequence[dict], rows: Sequence[Sequence[int]], row_le
     return batch
 
 
-GROUP_FIELDS = ("group_tokens", "group_attention_mask", "group_loss_mask", "group_segment_ids", "group_prefix_ids",
-                "group_positions", "group_predictor_index")
-
-
 def group_rows(tokens: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray, group_size: int,
                completion_length: int) -> dict[str, np.ndarray]:
     """A GRPO generation batch with each group's prompt written once: rows ``i·G ... i·G+G−1`` of ``tokens [N, P+C]``
     (the same left-padded prompt of ``P`` slots, then ``C = completion_length`` completion slots, right-padded) become
     one row ``[prompt, completion 1, ..., completion G]`` of ``P + G·C`` slots. The prompt is segment ``G+1``, the
     completions segments ``1..G`` whose ``prefix_ids`` name the prompt; a completion's positions continue from the
-    prompt's length and its first token is predicted by the prompt's last slot (``predictor_index``). Returns the
-    ``GROUP_FIELDS`` ``[N/G, P+G·C]``."""
+    prompt's length and its first token is predicted by the prompt's last slot (``predictor_index``). Returns
+    ``group_{tokens, attention_mask, loss_mask, segment_ids, prefix_ids, positions, predictor_index}``
+    ``[N/G, P+G·C]``."""
     rows, width = tokens.shape
     if rows % group_size:
         raise ValueError(f"{rows} completions do not form groups of {group_size}")

@@ -103,6 +103,9 @@ def resolve_chunk_size(chunk_size: int, rows: int, length: int, vocab: int, back
     return min(tile, vocab)
 
 
+SHARED_FIELDS = ("positions", "prefix_ids", "predictor_index")  # shared-prefix rows' layout (``policy_token_logps``)
+
+
 def policy_token_logps(model, tokens: jax.Array, attention_mask: jax.Array, loss_mask: jax.Array, *,
                        inputs_embeds: jax.Array | None = None, segment_ids: jax.Array | None = None,
                        shared: Mapping[str, jax.Array] | None = None, chunk_size: int = 0,
@@ -110,7 +113,7 @@ def policy_token_logps(model, tokens: jax.Array, attention_mask: jax.Array, loss
     """Token log-probs ``[B, T]`` of ``tokens`` under ``model`` (and the final hidden states if asked);
     ``temperature != 1``: of ``softmax(logits / temperature)`` (RL's sampling distribution, as TRL trains it).
 
-    ``shared``: shared-prefix rows' ``positions``, ``prefix_ids`` and ``predictor_index`` (``packed_batch``); the
+    ``shared``: shared-prefix rows' ``SHARED_FIELDS`` (``packed_batch``, ``group_rows``); the
     hidden state at slot ``t`` is then the one that predicts token ``t + 1`` (its prompt's last for a completion's
     first token), and the returned hidden states are in that order.
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxalign import losses
 from jaxalign.losses.grpo import ESTIMATORS, SAMPLING_CORRECTIONS, SCALE_REWARDS, check_grpo_options
-from jaxalign.objectives.common import EngineParams, Metric, policy_token_logps, require
+from jaxalign.objectives.common import SHARED_FIELDS, EngineParams, Metric, policy_token_logps, require
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,8 +143,7 @@ def completion_logps(model, batch, *, chunk_size: int = 0, temperature: float = 
     groups, slots = batch["group_tokens"].shape
     size = rows // groups
     completion = (slots - width) // (size - 1)
-    shared = {"positions": batch["group_positions"], "prefix_ids": batch["group_prefix_ids"],
-              "predictor_index": batch["group_predictor_index"]}
+    shared = {name: batch[f"group_{name}"] for name in SHARED_FIELDS}
     logps = policy_token_logps(model, batch["group_tokens"], batch["group_attention_mask"],
                                batch["group_loss_mask"], segment_ids=batch["group_segment_ids"], shared=shared,
                                chunk_size=chunk_size, temperature=temperature)

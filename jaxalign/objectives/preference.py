@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxalign import losses
 from jaxalign.losses.logps import log_sum_sq_probs
 from jaxalign.objectives.common import (
+    SHARED_FIELDS,
     EngineParams,
     Metric,
     concat_pair,
@@ -32,9 +33,6 @@ def is_packed(batch) -> bool:
     each pair's chosen and rejected sequence as segments ``2k+1`` and ``2k+2``, ``pair_mask [R, P]``; with
     ``data.shared_prefix`` the pair's prompt once, as segment ``2P+k+1`` (``prefix_ids``, ``predictor_index``)."""
     return "pair_mask" in batch
-
-
-SHARED_FIELDS = ("positions", "prefix_ids", "predictor_index")
 
 
 def pair_weights(batch, size: int) -> jax.Array:
