@@ -339,8 +339,8 @@ def restore_model(checkpoint: str | Path, *, log=None):
         warnings.warn(f"{run_dir / 'checkpoints'}: passing over the broken checkpoint {line}", stacklevel=2)
     if log is not None:
         log(f"using checkpoint {step} of {run_dir}" + (" (the newest that verifies)" if skipped else ""))
-    manager = ocp.CheckpointManager(run_dir / "checkpoints")
-    restored = TrainState(*restore_in_layout(manager, step, target, other_layer_layout(config))[0]).params
+    with ocp.CheckpointManager(run_dir / "checkpoints") as manager:  # closed: no Orbax threads outlive the read
+        restored = TrainState(*restore_in_layout(manager, step, target, other_layer_layout(config))[0]).params
     if lora_config is None:
         model = nnx.merge(graphdef, restored)
     else:
