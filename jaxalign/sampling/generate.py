@@ -161,7 +161,7 @@ def decoding_model(model: LlamaForCausalLM, *, layers: str = "auto", weights: st
         raise ValueError(f"weights={weights!r}: expected one of {DECODE_WEIGHTS}")
     config = model.config
     stacked = bool(layer_plan(config)[2])
-    adapters = bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    adapters = stacked and bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
     if layers == "unrolled" and stacked and adapters:
         raise ValueError("layers='unrolled' needs a model without LoRA adapters: merge them first "
                          "(jaxalign.models.lora.merge_weights) or decode with layers='scanned'")
