@@ -3,8 +3,13 @@
 import os
 
 # XLA's backend optimisation level 0: the same HLO, compiled with fewer LLVM passes; half the suite's time is
-# compilation of tiny models, and the results agree with the default level to float rounding
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+# compilation of tiny models, and the results agree with the default level to float rounding. The collective
+# timeout: the 8 fake devices' all-reduces meet in a rendezvous that XLA:CPU aborts the process on (LOG(FATAL) in
+# AwaitAndLogIfStuck, seen in a core dump) when a participant is late past the timeout, which happened with two
+# test workers loading the 2 cores; a late participant is slowness here, not a deadlock
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+                      "--xla_cpu_collective_call_terminate_timeout_seconds=300 "
+                      "--xla_cpu_collective_timeout_seconds=300")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -39,8 +39,9 @@ def launch(workdir, steps: int, name: str = "dpo", processes: int = 2, timeout: 
     """``processes`` local processes of one job: coordinator given in the config, or found from SLURM variables
     (as ``srun`` sets them) by ``distributed.mode=auto``."""
     port = free_port()
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // processes} "
-                                      "--xla_backend_optimization_level=0",
+    flags = os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8",
+                                            f"--xla_force_host_platform_device_count={8 // processes}")
+    env = {**os.environ, "XLA_FLAGS": flags,
            "PYTHONUNBUFFERED": "1"}
     procs = []
     for i in range(processes):
