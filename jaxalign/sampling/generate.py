@@ -149,33 +149,32 @@ def decoding_model(model: LlamaForCausalLM, *, layers: str = "auto", weights: st
     ``layers``: "scanned" keeps a scanned model's stacked layers (``model.scan_layers``) under ``lax.scan``;
     "unrolled" gives it per-layer weights (a copy, made per call) so the decode loop runs the layers one by one;
     "auto" unrolls on the CPU only. Measured on 2 CPU cores (docs/benchmarks.md, decoding): XLA:CPU copies each
-    layer's weight slices out of the stack at every step of the scan, which costs about 1.8x in tokens/s at batch 1
-    on the SmolLM2-135M shape. Models with LoRA adapters stay as they are with "auto" ("unrolled" refuses them:
+    layer's weight slices out of the stack at every step of the scan; unrolled, SmolLM2-135M decoded 1.54x the
+    tokens/s at batch 1. Models with LoRA adapters stay as they are with "auto" ("unrolled" refuses them:
     merge the adapters first). ``weights``: "model" keeps the parameters' dtype; "float32" / "bfloat16" casts every
     floating-point parameter (the compute dtype, ``config.dtype``, is unchanged: weight-only). bfloat16 halves the
-    bytes each step streams, which is what decoding is bound by on a GPU or TPU; on this CPU it is slower, because
-    XLA:CPU converts the weights before each matmul (docs/benchmarks.md)."""
+    bytes each step streams, which is what decoding is bound by on a GPU or TPU; on the CPU it brought no speed
+    (XLA:CPU converts the weights before each matmul; docs/benchmarks.md)."""
     if layers not in DECODE_LAYERS:
         raise ValueError(f"layers={layers!r}: expected one of {DECODE_LAYERS}")
     if weights not in DECODE_WEIGHTS:
         raise ValueError(f"weights={weights!r}: expected one of {DECODE_WEIGHTS}")
-    config = model.config
-    stacked = bool(layer_plan(config)[2])
+    stacked = bool(layer_plan(model.config)[2])
     adapters = stacked and bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
-    if layers == "unrolled" and stacked and adapters:
+    if layers == "unrolled" and adapters:
         raise ValueError("layers='unrolled' needs a model without LoRA adapters: merge them first "
                          "(jaxalign.models.lora.merge_weights) or decode with layers='scanned'")
     on_cpu = jax.default_backend() == "cpu"
     unroll = stacked and not adapters and (layers == "unrolled" or (layers == "auto" and on_cpu))
     if not unroll and weights == "model":
         return model
-    graphdef, state = nnx.split(model)
     if unroll:
         from jaxalign.models.factory import abstract_model
 
-        config = config.replace(scan_layers=False)
-        graphdef, state = nnx.split(abstract_model(config))
+        graphdef, state = nnx.split(abstract_model(model.config.replace(scan_layers=False)))
         nnx.replace_by_pure_dict(state, unstack_layers(model.config, nnx.to_pure_dict(nnx.state(model))))
+    else:
+        graphdef, state = nnx.split(model)
     if weights != "model":
         dtype = jnp.dtype(weights)
         state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
