@@ -18,8 +18,10 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2
 ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU; GeGLU with the tanh GELU (Gemma)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # "xla": explicit einsum attention (any mask, KV cache); "dot_product": jax.nn.dot_product_attention with
-# XLA's choice of kernel; "cudnn": its cuDNN flash-attention kernel (NVIDIA GPUs, bf16/fp16).
-ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
+# XLA's choice of kernel; "cudnn": its cuDNN flash-attention kernel (NVIDIA GPUs, bf16/fp16); "pallas": jaxalign's
+# blocked Pallas kernels (models.flash; the mask from segment vectors, any row layout, no [B, T, S] mask; interpret
+# mode on the CPU) for forwards without a KV cache, the einsum path with one.
+ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "pallas")
 REMAT_POLICIES = ("nothing", "dots", "dots_no_batch")
 # ``scan_layers=None`` (auto) scans decoders with more than this many layers and unrolls the smaller ones.
 SCAN_MIN_LAYERS = 4

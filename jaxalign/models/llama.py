@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxalign.models.config import LlamaConfig
+from jaxalign.models.flash import SegmentMask, flash_attention
 from jaxalign.parallel.mesh import constrain
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -196,7 +197,9 @@ class Attention(nnx.Module):
         else:
             new_kv = None
         batch, length = x.shape[:2]
-        if cfg.attention_impl != "xla":
+        if isinstance(mask, SegmentMask):  # attention_impl="pallas" without a KV cache
+            return self._output(flash_attention(q, k, v, mask, scale=self.scale, window=self.window)), new_kv
+        if cfg.attention_impl in ("dot_product", "cudnn"):
             out = jax.nn.dot_product_attention(
                 q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask=mask[:, None, :, :], scale=self.scale,
                 implementation=None if cfg.attention_impl == "dot_product" else cfg.attention_impl)
@@ -721,8 +724,13 @@ class LlamaForCausalLM(nnx.Module):
 
         tables = {local: rotary_tables(self.config, positions, local)
                   for local in {self.config.local_rope(i) for i in range(self.config.num_layers)}}
-        masks = {window: _attention_mask(slots, k_slots, k_valid, segment_ids, k_segments, window, prefix_ids)
-                 for window in {self.config.layer_window(i) for i in range(self.config.num_layers)}}
+        windows = {self.config.layer_window(i) for i in range(self.config.num_layers)}
+        if self.config.attention_impl == "pallas" and cache is None:  # one mask as vectors; each layer its window
+            vectors = SegmentMask.build(attention_mask, segment_ids, prefix_ids)
+            masks = dict.fromkeys(windows, vectors)
+        else:
+            masks = {window: _attention_mask(slots, k_slots, k_valid, segment_ids, k_segments, window, prefix_ids)
+                     for window in windows}
         x = constrain(x, ("batch", "length", "act_embed"))
 
         def inputs(i):  # what layer i reads besides the hidden states: its rotary tables and mask

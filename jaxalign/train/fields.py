@@ -19,7 +19,8 @@ HELP: dict[str, str] = {
                     "qwen3_8b, qwen3_30b_a3b)",
     "model.dtype": "compute dtype: float32 or bfloat16",
     "model.param_dtype": "parameter dtype of a random model (loaded weights keep model.dtype)",
-    "model.attention_impl": "xla (einsum), dot_product (jax.nn.dot_product_attention) or cudnn (GPU)",
+    "model.attention_impl": "xla (einsum), dot_product (jax.nn.dot_product_attention), cudnn (GPU) or pallas "
+                            "(blocked kernels, no [B, T, S] mask; interpret mode on the CPU)",
     "model.remat": "recompute each layer in the backward pass (less memory, more compute)",
     "model.remat_policy": "with remat: nothing (least memory), dots (keep matmul outputs), dots_no_batch",
     "model.scan_layers": "auto (scan the repeated layers of models with more than 4 layers), true or false",

@@ -1,0 +1,324 @@
+"""Blocked ("flash") attention as Pallas kernels, the mask computed inside the kernel from per-token vectors.
+
+The training forward (no KV cache) of every row layout jaxalign builds needs one mask rule: key ``j`` is visible
+from query ``i`` when ``j <= i`` (slots, causal), ``k_segments[j]`` equals ``q_segments[i]`` or
+``q_prefixes[i]`` (padding, packing, shared-prefix rows) and, in a sliding-window layer, ``i - j < window``.
+``SegmentMask`` carries the three vectors (``[B, T]`` each); the kernels read them block by block, so no
+``[B, T, S]`` mask exists and memory is linear in the row length. Grouped-query attention reads each query
+head's key/value head through the block index map (no repeated keys).
+
+Forward: one program per (row, query head, query block) runs the online softmax over the key blocks the block
+can see (causal and window bounds skip the rest) and keeps the log-sum-exp. Backward: the usual two kernels
+(``dq`` per query block over key blocks; ``dk``/``dv`` per key block over query blocks, summed over a kv head's
+query heads after the kernel), from the saved log-sum-exp and ``sum(dO * O)``. A query with no visible key (a
+padding token in a packed row, left padding) gets a zero output and no gradient, where the dense path averages
+all values; no loss reads those positions.
+
+On the CPU the kernels run in Pallas interpret mode (tests: equal to the dense XLA path, forward and gradients,
+to float32 rounding); elsewhere ``pallas_call`` compiles them (Mosaic on a TPU, Triton on a GPU), which has not been
+run here (no TPU or GPU on this machine). Under a mesh the call is a ``shard_map`` over the batch and head axes the
+logical rules give, since XLA does not partition a kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxalign.parallel.mesh import logical_to_spec
+
+_NO_PREFIX = -2  # a query prefix that names no segment
+_NO_KEY = -1  # the segment of a padding key: visible from no query
+_NT = (((1,), (1,)), ((), ()))  # dot_general: a @ b.T
+_TN = (((0,), (0,)), ((), ()))  # a.T @ b
+
+
+class SegmentMask(NamedTuple):
+    """The mask of a forward without KV cache as three ``[B, T]`` int32 vectors (see the module docstring):
+    ``q_segments``, ``k_segments`` (``-1`` on padding keys) and ``q_prefixes`` (``-2``: none)."""
+
+    q_segments: jax.Array
+    k_segments: jax.Array
+    q_prefixes: jax.Array
+
+    @classmethod
+    def build(cls, valid: jax.Array, segment_ids: jax.Array | None = None,
+              prefix_ids: jax.Array | None = None) -> SegmentMask:
+        """From the attention mask ``valid [B, T]`` and optional ``segment_ids`` / ``prefix_ids`` (>= 0): the
+        same visibility as ``llama._attention_mask`` with key slots = query slots."""
+        segments = jnp.zeros(valid.shape, jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+        prefixes = (jnp.full(valid.shape, _NO_PREFIX, jnp.int32) if prefix_ids is None
+                    else prefix_ids.astype(jnp.int32))
+        return cls(segments, jnp.where(valid.astype(bool), segments, _NO_KEY), prefixes)
+
+    def dense(self, window: int = 0) -> jax.Array:
+        """The ``[B, T, T]`` boolean mask these vectors stand for."""
+        slots = jnp.arange(self.q_segments.shape[1])
+        return _visible(slots[:, None], slots[None, :], self.q_segments[:, :, None], self.q_prefixes[:, :, None],
+                        self.k_segments[:, None, :], window)
+
+
+def _visible(rows, cols, q_seg, q_pre, k_seg, window: int):
+    seen = (cols <= rows) & ((k_seg == q_seg) | (k_seg == q_pre))
+    if window:
+        seen &= rows - cols < window
+    return seen
+
+
+def _key_blocks(qi, bq: int, bk: int, nk: int, window: int):
+    """The key blocks ``[lo, hi)`` query block ``qi`` can see."""
+    hi = jnp.minimum(((qi + 1) * bq + bk - 1) // bk, nk)
+    lo = jnp.maximum(qi * bq - window + 1, 0) // bk if window else 0
+    return lo, hi
+
+
+def _query_blocks(kj, bq: int, bk: int, nq: int, window: int):
+    """The query blocks ``[lo, hi)`` that can see key block ``kj``."""
+    lo = kj * bk // bq
+    hi = jnp.minimum(((kj + 1) * bk - 1 + window - 1) // bq + 1, nq) if window else nq
+    return lo, hi
+
+
+def _iota(shape, dim, offset):
+    return offset + jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _forward_kernel(qseg_ref, qpre_ref, kseg_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, window, bq, bk,
+                    nk):
+    qi = pl.program_id(2)
+    q = q_ref[...].astype(jnp.float32) * scale
+    q_seg, q_pre = qseg_ref[...][:, None], qpre_ref[...][:, None]
+    rows = _iota((bq, 1), 0, qi * bq)
+
+    def body(kj, carry):
+        m, total, acc = carry
+        start = pl.multiple_of(kj * bk, bk)
+        k = k_ref[pl.ds(start, bk), :].astype(jnp.float32)
+        v = v_ref[pl.ds(start, bk), :].astype(jnp.float32)
+        seen = _visible(rows, _iota((1, bk), 1, start), q_seg, q_pre, kseg_ref[pl.ds(start, bk)][None, :], window)
+        s = jnp.where(seen, jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32), -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - shift)
+        alpha = jnp.exp(m - shift)
+        return m_new, alpha * total + p.sum(axis=1, keepdims=True), alpha * acc + jnp.dot(p, v)
+
+    lo, hi = _key_blocks(qi, bq, bk, nk, window)
+    init = (jnp.full((bq, 1), -jnp.inf, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
+            jnp.zeros(q.shape, jnp.float32))
+    m, total, acc = jax.lax.fori_loop(lo, hi, body, init)
+    some = total > 0
+    total = jnp.where(some, total, 1.0)
+    o_ref[...] = (acc / total).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(some, m + jnp.log(total), jnp.inf)[:, 0]
+
+
+def _dq_kernel(qseg_ref, qpre_ref, kseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale,
+               window, bq, bk, nk):
+    qi = pl.program_id(2)
+    q = q_ref[...].astype(jnp.float32) * scale
+    do = do_ref[...].astype(jnp.float32)
+    lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
+    q_seg, q_pre = qseg_ref[...][:, None], qpre_ref[...][:, None]
+    rows = _iota((bq, 1), 0, qi * bq)
+
+    def body(kj, dq):
+        start = pl.multiple_of(kj * bk, bk)
+        k = k_ref[pl.ds(start, bk), :].astype(jnp.float32)
+        v = v_ref[pl.ds(start, bk), :].astype(jnp.float32)
+        seen = _visible(rows, _iota((1, bk), 1, start), q_seg, q_pre, kseg_ref[pl.ds(start, bk)][None, :], window)
+        s = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
+        p = jnp.where(seen, jnp.exp(s - lse), 0.0)
+        ds = p * (jax.lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32) - delta)
+        return dq + jnp.dot(ds, k)
+
+    lo, hi = _key_blocks(qi, bq, bk, nk, window)
+    dq_ref[...] = (jax.lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32)) * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(qseg_ref, qpre_ref, kseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
+                scale, window, bq, bk, nq):
+    kj = pl.program_id(2)
+    k = k_ref[...].astype(jnp.float32)
+    v = v_ref[...].astype(jnp.float32)
+    k_seg = kseg_ref[...][None, :]
+    cols = _iota((1, bk), 1, kj * bk)
+
+    def body(qi, carry):
+        dk, dv = carry
+        start = pl.multiple_of(qi * bq, bq)
+        q = q_ref[pl.ds(start, bq), :].astype(jnp.float32) * scale
+        do = do_ref[pl.ds(start, bq), :].astype(jnp.float32)
+        lse, delta = lse_ref[pl.ds(start, bq)][:, None], delta_ref[pl.ds(start, bq)][:, None]
+        seen = _visible(_iota((bq, 1), 0, start), cols, qseg_ref[pl.ds(start, bq)][:, None],
+                        qpre_ref[pl.ds(start, bq)][:, None], k_seg, window)
+        s = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
+        p = jnp.where(seen, jnp.exp(s - lse), 0.0)
+        ds = p * (jax.lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32) - delta)
+        return (dk + jax.lax.dot_general(ds, q, _TN, preferred_element_type=jnp.float32),
+                dv + jax.lax.dot_general(p, do, _TN, preferred_element_type=jnp.float32))
+
+    lo, hi = _query_blocks(kj, bq, bk, nq, window)
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = jax.lax.fori_loop(lo, hi, body, (zeros, zeros))
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+class _Static(NamedTuple):
+    scale: float
+    window: int
+    bq: int
+    bk: int
+    interpret: bool
+
+
+def _specs(groups: int, length: int, head_dim: int, block: int, by_query: bool):
+    """BlockSpecs over the grid ``(row, query head, block)``: the blocked operand per program, the rest whole."""
+    def q_like(blocked):
+        if blocked:
+            return pl.BlockSpec((None, None, block, head_dim), lambda b, h, i: (b, h, i, 0))
+        return pl.BlockSpec((None, None, length, head_dim), lambda b, h, i: (b, h, 0, 0))
+
+    def kv_like(blocked):
+        if blocked:
+            return pl.BlockSpec((None, None, block, head_dim), lambda b, h, i: (b, h // groups, i, 0))
+        return pl.BlockSpec((None, None, length, head_dim), lambda b, h, i: (b, h // groups, 0, 0))
+
+    def vector(blocked):
+        if blocked:
+            return pl.BlockSpec((None, block), lambda b, h, i: (b, i))
+        return pl.BlockSpec((None, length), lambda b, h, i: (b, 0))
+
+    def per_head(blocked):
+        if blocked:
+            return pl.BlockSpec((None, None, block), lambda b, h, i: (b, h, i))
+        return pl.BlockSpec((None, None, length), lambda b, h, i: (b, h, 0))
+
+    return q_like(by_query), kv_like(not by_query), vector(by_query), vector(not by_query), per_head(by_query)
+
+
+def _forward(q, k, v, mask: SegmentMask, static: _Static):
+    batch, heads, length, head_dim = q.shape
+    groups = heads // k.shape[1]
+    q_spec, kv_spec, qvec, kvec, lse_spec = _specs(groups, length, head_dim, static.bq, by_query=True)
+    kernel = functools.partial(_forward_kernel, scale=static.scale, window=static.window, bq=static.bq,
+                               bk=static.bk, nk=length // static.bk)
+    return pl.pallas_call(
+        kernel, grid=(batch, heads, length // static.bq),
+        in_specs=[qvec, qvec, kvec, q_spec, kv_spec, kv_spec],
+        out_specs=[q_spec, lse_spec],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)],
+        interpret=static.interpret, name="jaxalign_flash_forward",
+    )(mask.q_segments, mask.q_prefixes, mask.k_segments, q, k, v)
+
+
+def _backward(q, k, v, mask: SegmentMask, out, lse, do, static: _Static):
+    batch, heads, length, head_dim = q.shape
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
+    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    q_spec, kv_whole, qvec, kvec_whole, per_head = _specs(groups, length, head_dim, static.bq, by_query=True)
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, scale=static.scale, window=static.window, bq=static.bq, bk=static.bk,
+                          nk=length // static.bk),
+        grid=(batch, heads, length // static.bq),
+        in_specs=[qvec, qvec, kvec_whole, q_spec, kv_whole, kv_whole, q_spec, per_head, per_head],
+        out_specs=q_spec, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        interpret=static.interpret, name="jaxalign_flash_dq",
+    )(mask.q_segments, mask.q_prefixes, mask.k_segments, q, k, v, do, lse, delta)
+
+    q_whole, kv_spec, qvec_whole, kvec, per_head_whole = _specs(groups, length, head_dim, static.bk, by_query=False)
+    per_q_head = pl.BlockSpec((None, None, static.bk, head_dim), lambda b, h, i: (b, h, i, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, scale=static.scale, window=static.window, bq=static.bq, bk=static.bk,
+                          nq=length // static.bq),
+        grid=(batch, heads, length // static.bk),
+        in_specs=[qvec_whole, qvec_whole, kvec, q_whole, kv_spec, kv_spec, q_whole, per_head_whole, per_head_whole],
+        out_specs=[per_q_head, per_q_head],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32)] * 2,
+        interpret=static.interpret, name="jaxalign_flash_dkv",
+    )(mask.q_segments, mask.q_prefixes, mask.k_segments, q, k, v, do, lse, delta)
+
+    def per_kv_head(grad, like):  # the query heads of a group share their key/value head
+        return grad.reshape(batch, kv_heads, groups, length, head_dim).sum(axis=2).astype(like.dtype)
+
+    return dq, per_kv_head(dk, k), per_kv_head(dv, v)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, mask, static):
+    return _forward(q, k, v, mask, static)[0]
+
+
+def _flash_fwd(q, k, v, mask, static):
+    out, lse = _forward(q, k, v, mask, static)
+    return out, (q, k, v, mask, out, lse)
+
+
+def _flash_bwd(static, residuals, do):
+    q, k, v, mask, out, lse = residuals
+    dq, dk, dv = _backward(q, k, v, mask, out, lse, do, static)
+    return dq, dk, dv, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: SegmentMask, *, scale: float, window: int = 0,
+                    block: int = 128, interpret: bool | None = None) -> jax.Array:
+    """Attention ``[B, T, H, hd]`` of queries ``q [B, T, H, hd]`` over keys and values ``[B, KV, T, hd]`` (KV
+    dividing H; query head ``h`` reads kv head ``h // (H // KV)``) under ``mask``, in blocks of ``block``
+    positions (the row is padded up to a multiple; padding keys are invisible). ``interpret``: Pallas interpret
+    mode (default: on the CPU)."""
+    batch, length, heads, _ = q.shape
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[2] != length or heads % k.shape[1]:
+        raise ValueError(f"flash_attention: queries {q.shape} [B, T, H, hd] and keys/values {k.shape} "
+                         f"[B, KV, T, hd] do not match")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    block = min(block, _round_up(length, 8))
+    padded = _round_up(length, block)
+    q = q.transpose(0, 2, 1, 3)
+    if padded != length:
+        def pad(x, axis, value=0):
+            widths = [(0, 0)] * x.ndim
+            widths[axis] = (0, padded - length)
+            return jnp.pad(x, widths, constant_values=value)
+
+        q, k, v = pad(q, 2), pad(k, 2), pad(v, 2)
+        mask = SegmentMask(pad(mask.q_segments, 1), pad(mask.k_segments, 1, _NO_KEY),
+                           pad(mask.q_prefixes, 1, _NO_PREFIX))
+    static = _Static(float(scale), int(window), block, block, bool(interpret))
+    out = _sharded(functools.partial(_flash, static=static), q, k, v, mask)
+    return out[:, :, :length].transpose(0, 2, 1, 3)
+
+
+def _sharded(fn, q, k, v, mask: SegmentMask):
+    """``fn`` per shard under the current mesh: rows split as ``batch``, heads as ``heads`` when both the query
+    and the kv head counts divide (else whole); the row length and head dimension whole."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return fn(q, k, v, mask)
+    rows = logical_to_spec(("batch",), q.shape[:1], mesh)[0]
+    head_axes = logical_to_spec(("heads",), q.shape[1:2], mesh)[0]
+    if head_axes is not None and logical_to_spec(("heads",), k.shape[1:2], mesh)[0] != head_axes:
+        head_axes = None
+    if head_axes is not None and rows is not None:  # a mesh axis serves one dimension
+        row_axes = (rows,) if isinstance(rows, str) else tuple(rows)
+        head_set = {head_axes} if isinstance(head_axes, str) else set(head_axes)
+        if head_set & set(row_axes):
+            head_axes = None
+    tensors = jax.sharding.PartitionSpec(rows, head_axes, None, None)
+    vectors = jax.sharding.PartitionSpec(rows, None)
+    return jax.shard_map(lambda q, k, v, *m: fn(q, k, v, SegmentMask(*m)), mesh=mesh,
+                         in_specs=(tensors, tensors, tensors, vectors, vectors, vectors), out_specs=tensors,
+                         check_vma=False)(q, k, v, *mask)
