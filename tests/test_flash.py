@@ -27,7 +27,8 @@ def dense_attention(q, k, v, mask, scale):
 
 
 def layouts():
-    """``(valid, segment_ids, prefix_ids)`` per mask kind (None: not used)."""
+    """``(valid, segment_ids, prefix_ids, positions)`` per mask kind (None: not used; shared-prefix rows' windows
+    count positions, which restart after each prompt)."""
     right = np.ones((B, T), bool)
     right[0, 15:] = False
     left = np.ones((B, T), bool)
@@ -39,18 +40,20 @@ def layouts():
     shared = np.asarray([[1] * 6 + [2] * 3 + [3] * 2 + [4] * 3 + [5] * 2 + [6] * 3 + [0],
                          [1] * 9 + [2] * 5 + [3] * 6], np.int32)
     prefixes = np.where(np.isin(shared, (2, 3)), 1, np.where(np.isin(shared, (5, 6)), 4, 0)).astype(np.int32)
-    return {"causal": (np.ones((B, T), bool), None, None), "right-padded": (right, None, None),
-            "left-padded": (left, None, None), "packed": (packed > 0, packed, None),
-            "shared-prefix": (shared > 0, shared, prefixes)}
+    positions = np.stack([np.r_[np.arange(6), np.arange(6, 9), np.arange(6, 8), np.arange(3), np.arange(3, 5),
+                                np.arange(3, 6), [0]], np.r_[np.arange(9), np.arange(9, 14), np.arange(9, 15)]])
+    return {"causal": (np.ones((B, T), bool), None, None, None), "right-padded": (right, None, None, None),
+            "left-padded": (left, None, None, None), "packed": (packed > 0, packed, None, None),
+            "shared-prefix": (shared > 0, shared, prefixes, positions.astype(np.int32))}
 
 
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("kind", list(layouts()))
 def test_kernel_equals_dense_attention(kind, window):
-    valid, segments, prefixes = (None if a is None else jnp.asarray(a) for a in layouts()[kind])
+    valid, segments, prefixes, positions = (None if a is None else jnp.asarray(a) for a in layouts()[kind])
     slots = jnp.broadcast_to(jnp.arange(T), (B, T))
-    mask = _attention_mask(slots, slots, valid, segments, segments, window, prefixes)  # the einsum path's mask
-    vectors = SegmentMask.build(valid, segments, prefixes)
+    mask = _attention_mask(slots, slots, valid, segments, segments, window, prefixes, positions)  # the einsum path's
+    vectors = SegmentMask.build(valid, segments, prefixes, positions)
     np.testing.assert_array_equal(vectors.dense(window), mask)
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((B, T, H, HD), (B, KV, T, HD),
@@ -89,12 +92,8 @@ def test_model_forward_and_gradients_equal_the_einsum_path(layout, mesh8):
     shape = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2)
     config = (LlamaConfig(**shape, num_layers=2, sliding_window=6, sliding_window_layers=(True, False))
               if layout == "window-sharded" else LlamaConfig(**shape, num_layers=3, scan_layers=True, remat=True))
-    _, segments, prefixes = (jnp.asarray(a) for a in layouts()["shared-prefix"])
-    segments, prefixes = jnp.concatenate([segments] * 2), jnp.concatenate([prefixes] * 2)
+    _, segments, prefixes, positions = (jnp.concatenate([jnp.asarray(a)] * 2) for a in layouts()["shared-prefix"])
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2 * B, T)), jnp.int32)
-    positions = jnp.asarray(np.concatenate([np.arange(6), np.arange(6, 9), np.arange(6, 8), np.arange(3),
-                                            np.arange(3, 5), np.arange(3, 6), [0]]))
-    positions = jnp.stack([positions, jnp.asarray(np.r_[np.arange(9), np.arange(9, 14), np.arange(9, 15)])] * 2)
     targets, keep = jnp.roll(tokens, -1, axis=1), segments > 0  # any fixed targets: every position's gradient
 
     def loss_and_grads_of(config, mesh=None):
@@ -121,15 +120,19 @@ def test_model_forward_and_gradients_equal_the_einsum_path(layout, mesh8):
             np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-def test_shared_prefix_dpo_on_the_kernel_equals_padded_dpo_on_the_einsum_path():
+@pytest.mark.parametrize("window", [0, 5])
+def test_shared_prefix_dpo_on_the_kernel_equals_padded_dpo_on_the_einsum_path(window):
+    """Also with a sliding window shorter than the rows: there a completion's distance to its prompt counts
+    positions, not the slots of the other completion between them."""
     examples = shared_pairs(12, seed=4)
     length = max(max(len(e["chosen_tokens"]), len(e["rejected_tokens"])) for e in examples)
     padded = {k: jnp.asarray(v) for k, v in pad_batch(examples, "preference", length, 0).items()}
     rows = pack_rows(examples, 64, pairs=True, shared_prefix=True)
     shared = {k: jnp.asarray(v) for k, v in packed_batch(examples, rows, 64, 0, pairs=True, max_pairs_per_row=6,
                                                         shared_prefix=True).items()}
-    kernel = TINY.replace(attention_impl="pallas")
-    want = loss_and_grads("dpo", padded, create_model(TINY, seed=1), create_model(TINY, seed=2))
+    config = TINY.replace(sliding_window=window)
+    kernel = config.replace(attention_impl="pallas")
+    want = loss_and_grads("dpo", padded, create_model(config, seed=1), create_model(config, seed=2))
     got = loss_and_grads("dpo", shared, create_model(kernel, seed=1), create_model(kernel, seed=2))
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2]), strict=True):

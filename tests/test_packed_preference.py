@@ -106,13 +106,16 @@ def test_shared_prefix_rows_hold_each_prompt_once():
                 np.testing.assert_array_equal(batch["loss_mask"][r, full], trained)
 
 
-@pytest.mark.parametrize(("name", "params"), [("dpo", {"ld_alpha": 0.4, "use_weighting": True}),
-                                              ("dpo", {"loss_type": "ipo", "logps_chunk_size": 8}),
-                                              ("simpo", {}), ("orpo", {"nll": "trl"})])
-def test_shared_prefix_equals_padded(name, params):
-    """A pair's prompt computed once, its completions attending to it: the padded batch's losses and gradients."""
+@pytest.mark.parametrize(("name", "params", "window"), [("dpo", {"ld_alpha": 0.4, "use_weighting": True}, 0),
+                                                        ("dpo", {"loss_type": "ipo", "logps_chunk_size": 8}, 0),
+                                                        ("simpo", {}, 0), ("orpo", {"nll": "trl"}, 0),
+                                                        ("dpo", {}, 5)])
+def test_shared_prefix_equals_padded(name, params, window):
+    """A pair's prompt computed once, its completions attending to it: the padded batch's losses and gradients.
+    ``window``: a sliding window shorter than the pairs, which must count positions, not slots, in shared rows."""
     examples = shared_pairs(12, seed=4)
-    model, reference = create_model(TINY, seed=1), create_model(TINY, seed=2)
+    config = TINY.replace(sliding_window=window)
+    model, reference = create_model(config, seed=1), create_model(config, seed=2)
     length = max(max(len(e["chosen_tokens"]), len(e["rejected_tokens"])) for e in examples)
     padded = {k: jnp.asarray(v) for k, v in pad_batch(examples, "preference", length, 0).items()}
     rows = pack_rows(examples, 64, pairs=True, shared_prefix=True)

@@ -2,8 +2,9 @@
 
 The training forward (no KV cache) of every row layout jaxalign builds needs one mask rule: key ``j`` is visible
 from query ``i`` when ``j <= i`` (slots, causal), ``k_segments[j]`` equals ``q_segments[i]`` or
-``q_prefixes[i]`` (padding, packing, shared-prefix rows) and, in a sliding-window layer, ``i - j < window``.
-``SegmentMask`` carries the three vectors (``[B, T]`` each); the kernels read them block by block, so no
+``q_prefixes[i]`` (padding, packing, shared-prefix rows) and, in a sliding-window layer, ``i - j < window`` (in
+positions for shared-prefix rows, where other completions' slots lie between a completion and its prompt).
+``SegmentMask`` carries the vectors (``[B, T]`` each); the kernels read them block by block, so no
 ``[B, T, S]`` mask exists and memory is linear in the row length. Grouped-query attention reads each query
 head's key/value head through the block index map (no repeated keys).
 
@@ -38,46 +39,55 @@ _TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
 class SegmentMask(NamedTuple):
-    """The mask of a forward without KV cache as three ``[B, T]`` int32 vectors (see the module docstring):
-    ``q_segments``, ``k_segments`` (``-1`` on padding keys) and ``q_prefixes`` (``-2``: none)."""
+    """The mask of a forward without KV cache as ``[B, T]`` int32 vectors (see the module docstring):
+    ``q_segments``, ``k_segments`` (``-1`` on padding keys), ``q_prefixes`` (``-2``: none) and ``positions``,
+    or None: what sliding windows measure distance in (None: the slots; shared-prefix rows give positions)."""
 
     q_segments: jax.Array
     k_segments: jax.Array
     q_prefixes: jax.Array
+    positions: jax.Array | None = None
 
     @classmethod
-    def build(cls, valid: jax.Array, segment_ids: jax.Array | None = None,
-              prefix_ids: jax.Array | None = None) -> SegmentMask:
-        """From the attention mask ``valid [B, T]`` and optional ``segment_ids`` / ``prefix_ids`` (>= 0): the
-        same visibility as ``llama._attention_mask`` with key slots = query slots."""
+    def build(cls, valid: jax.Array, segment_ids: jax.Array | None = None, prefix_ids: jax.Array | None = None,
+              positions: jax.Array | None = None) -> SegmentMask:
+        """From the attention mask ``valid [B, T]`` and optional ``segment_ids`` / ``prefix_ids`` (>= 0) and
+        window ``positions``: the same visibility as ``llama._attention_mask`` with key slots = query slots."""
         segments = jnp.zeros(valid.shape, jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
         prefixes = (jnp.full(valid.shape, _NO_PREFIX, jnp.int32) if prefix_ids is None
                     else prefix_ids.astype(jnp.int32))
-        return cls(segments, jnp.where(valid.astype(bool), segments, _NO_KEY), prefixes)
+        return cls(segments, jnp.where(valid.astype(bool), segments, _NO_KEY), prefixes,
+                   None if positions is None else positions.astype(jnp.int32))
+
+    def window_positions(self) -> jax.Array:
+        """``positions``, or the slots."""
+        if self.positions is not None:
+            return self.positions
+        return jnp.broadcast_to(jnp.arange(self.q_segments.shape[1], dtype=jnp.int32), self.q_segments.shape)
 
     def dense(self, window: int = 0) -> jax.Array:
         """The ``[B, T, T]`` boolean mask these vectors stand for."""
-        slots = jnp.arange(self.q_segments.shape[1])
+        slots, at = jnp.arange(self.q_segments.shape[1]), self.window_positions()
         return _visible(slots[:, None], slots[None, :], self.q_segments[:, :, None], self.q_prefixes[:, :, None],
-                        self.k_segments[:, None, :], window)
+                        self.k_segments[:, None, :], window, at[:, :, None], at[:, None, :])
 
 
-def _visible(rows, cols, q_seg, q_pre, k_seg, window: int):
+def _visible(rows, cols, q_seg, q_pre, k_seg, window: int, q_pos, k_pos):
     seen = (cols <= rows) & ((k_seg == q_seg) | (k_seg == q_pre))
     if window:
-        seen &= rows - cols < window
+        seen &= q_pos - k_pos < window
     return seen
 
 
 def _key_blocks(qi, bq: int, bk: int, nk: int, window: int):
-    """The key blocks ``[lo, hi)`` query block ``qi`` can see."""
+    """The key blocks ``[lo, hi)`` query block ``qi`` can see (``window``: 0 where windows are not in slots)."""
     hi = jnp.minimum(((qi + 1) * bq + bk - 1) // bk, nk)
     lo = jnp.maximum(qi * bq - window + 1, 0) // bk if window else 0
     return lo, hi
 
 
 def _query_blocks(kj, bq: int, bk: int, nq: int, window: int):
-    """The query blocks ``[lo, hi)`` that can see key block ``kj``."""
+    """The query blocks ``[lo, hi)`` that can see key block ``kj`` (``window`` as in ``_key_blocks``)."""
     lo = kj * bk // bq
     hi = jnp.minimum(((kj + 1) * bk - 1 + window - 1) // bq + 1, nq) if window else nq
     return lo, hi
@@ -87,11 +97,11 @@ def _iota(shape, dim, offset):
     return offset + jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
-def _forward_kernel(qseg_ref, qpre_ref, kseg_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, window, bq, bk,
-                    nk):
+def _forward_kernel(qseg_ref, qpre_ref, qpos_ref, kseg_ref, kpos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+                    scale, window, bounds, bq, bk, nk):
     qi = pl.program_id(2)
     q = q_ref[...].astype(jnp.float32) * scale
-    q_seg, q_pre = qseg_ref[...][:, None], qpre_ref[...][:, None]
+    q_seg, q_pre, q_pos = qseg_ref[...][:, None], qpre_ref[...][:, None], qpos_ref[...][:, None]
     rows = _iota((bq, 1), 0, qi * bq)
 
     def body(kj, carry):
@@ -99,7 +109,8 @@ def _forward_kernel(qseg_ref, qpre_ref, kseg_ref, q_ref, k_ref, v_ref, o_ref, ls
         start = pl.multiple_of(kj * bk, bk)
         k = k_ref[pl.ds(start, bk), :].astype(jnp.float32)
         v = v_ref[pl.ds(start, bk), :].astype(jnp.float32)
-        seen = _visible(rows, _iota((1, bk), 1, start), q_seg, q_pre, kseg_ref[pl.ds(start, bk)][None, :], window)
+        seen = _visible(rows, _iota((1, bk), 1, start), q_seg, q_pre, kseg_ref[pl.ds(start, bk)][None, :], window,
+                        q_pos, kpos_ref[pl.ds(start, bk)][None, :])
         s = jnp.where(seen, jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32), -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -107,7 +118,7 @@ def _forward_kernel(qseg_ref, qpre_ref, kseg_ref, q_ref, k_ref, v_ref, o_ref, ls
         alpha = jnp.exp(m - shift)
         return m_new, alpha * total + p.sum(axis=1, keepdims=True), alpha * acc + jnp.dot(p, v)
 
-    lo, hi = _key_blocks(qi, bq, bk, nk, window)
+    lo, hi = _key_blocks(qi, bq, bk, nk, bounds)
     init = (jnp.full((bq, 1), -jnp.inf, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
             jnp.zeros(q.shape, jnp.float32))
     m, total, acc = jax.lax.fori_loop(lo, hi, body, init)
@@ -117,35 +128,36 @@ def _forward_kernel(qseg_ref, qpre_ref, kseg_ref, q_ref, k_ref, v_ref, o_ref, ls
     lse_ref[...] = jnp.where(some, m + jnp.log(total), jnp.inf)[:, 0]
 
 
-def _dq_kernel(qseg_ref, qpre_ref, kseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale,
-               window, bq, bk, nk):
+def _dq_kernel(qseg_ref, qpre_ref, qpos_ref, kseg_ref, kpos_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               dq_ref, *, scale, window, bounds, bq, bk, nk):
     qi = pl.program_id(2)
     q = q_ref[...].astype(jnp.float32) * scale
     do = do_ref[...].astype(jnp.float32)
     lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
-    q_seg, q_pre = qseg_ref[...][:, None], qpre_ref[...][:, None]
+    q_seg, q_pre, q_pos = qseg_ref[...][:, None], qpre_ref[...][:, None], qpos_ref[...][:, None]
     rows = _iota((bq, 1), 0, qi * bq)
 
     def body(kj, dq):
         start = pl.multiple_of(kj * bk, bk)
         k = k_ref[pl.ds(start, bk), :].astype(jnp.float32)
         v = v_ref[pl.ds(start, bk), :].astype(jnp.float32)
-        seen = _visible(rows, _iota((1, bk), 1, start), q_seg, q_pre, kseg_ref[pl.ds(start, bk)][None, :], window)
+        seen = _visible(rows, _iota((1, bk), 1, start), q_seg, q_pre, kseg_ref[pl.ds(start, bk)][None, :], window,
+                        q_pos, kpos_ref[pl.ds(start, bk)][None, :])
         s = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
         p = jnp.where(seen, jnp.exp(s - lse), 0.0)
         ds = p * (jax.lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32) - delta)
         return dq + jnp.dot(ds, k)
 
-    lo, hi = _key_blocks(qi, bq, bk, nk, window)
+    lo, hi = _key_blocks(qi, bq, bk, nk, bounds)
     dq_ref[...] = (jax.lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32)) * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(qseg_ref, qpre_ref, kseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
-                scale, window, bq, bk, nq):
+def _dkv_kernel(qseg_ref, qpre_ref, qpos_ref, kseg_ref, kpos_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                dk_ref, dv_ref, *, scale, window, bounds, bq, bk, nq):
     kj = pl.program_id(2)
     k = k_ref[...].astype(jnp.float32)
     v = v_ref[...].astype(jnp.float32)
-    k_seg = kseg_ref[...][None, :]
+    k_seg, k_pos = kseg_ref[...][None, :], kpos_ref[...][None, :]
     cols = _iota((1, bk), 1, kj * bk)
 
     def body(qi, carry):
@@ -155,14 +167,15 @@ def _dkv_kernel(qseg_ref, qpre_ref, kseg_ref, q_ref, k_ref, v_ref, do_ref, lse_r
         do = do_ref[pl.ds(start, bq), :].astype(jnp.float32)
         lse, delta = lse_ref[pl.ds(start, bq)][:, None], delta_ref[pl.ds(start, bq)][:, None]
         seen = _visible(_iota((bq, 1), 0, start), cols, qseg_ref[pl.ds(start, bq)][:, None],
-                        qpre_ref[pl.ds(start, bq)][:, None], k_seg, window)
+                        qpre_ref[pl.ds(start, bq)][:, None], k_seg, window, qpos_ref[pl.ds(start, bq)][:, None],
+                        k_pos)
         s = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
         p = jnp.where(seen, jnp.exp(s - lse), 0.0)
         ds = p * (jax.lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32) - delta)
         return (dk + jax.lax.dot_general(ds, q, _TN, preferred_element_type=jnp.float32),
                 dv + jax.lax.dot_general(p, do, _TN, preferred_element_type=jnp.float32))
 
-    lo, hi = _query_blocks(kj, bq, bk, nq, window)
+    lo, hi = _query_blocks(kj, bq, bk, nq, bounds)
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = jax.lax.fori_loop(lo, hi, body, (zeros, zeros))
     dk_ref[...] = dk.astype(dk_ref.dtype)
@@ -172,6 +185,7 @@ def _dkv_kernel(qseg_ref, qpre_ref, kseg_ref, q_ref, k_ref, v_ref, do_ref, lse_r
 class _Static(NamedTuple):
     scale: float
     window: int
+    bounds: int  # the window the block bounds may skip by: ``window`` when it counts slots, else 0
     bq: int
     bk: int
     interpret: bool
@@ -202,19 +216,29 @@ def _specs(groups: int, length: int, head_dim: int, block: int, by_query: bool):
     return q_like(by_query), kv_like(not by_query), vector(by_query), vector(not by_query), per_head(by_query)
 
 
+def _knobs(static: _Static) -> dict:
+    return {"scale": static.scale, "window": static.window, "bounds": static.bounds, "bq": static.bq,
+            "bk": static.bk}
+
+
+def _vectors(mask: SegmentMask) -> tuple[jax.Array, ...]:
+    """The kernels' vector operands: the query side's segments, prefixes and positions, the key side's segments and
+    positions (one array serves both sides' positions)."""
+    return mask.q_segments, mask.q_prefixes, mask.positions, mask.k_segments, mask.positions
+
+
 def _forward(q, k, v, mask: SegmentMask, static: _Static):
     batch, heads, length, head_dim = q.shape
     groups = heads // k.shape[1]
     q_spec, kv_spec, qvec, kvec, lse_spec = _specs(groups, length, head_dim, static.bq, by_query=True)
-    kernel = functools.partial(_forward_kernel, scale=static.scale, window=static.window, bq=static.bq,
-                               bk=static.bk, nk=length // static.bk)
     return pl.pallas_call(
-        kernel, grid=(batch, heads, length // static.bq),
-        in_specs=[qvec, qvec, kvec, q_spec, kv_spec, kv_spec],
+        functools.partial(_forward_kernel, **_knobs(static), nk=length // static.bk),
+        grid=(batch, heads, length // static.bq),
+        in_specs=[qvec, qvec, qvec, kvec, kvec, q_spec, kv_spec, kv_spec],
         out_specs=[q_spec, lse_spec],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32)],
         interpret=static.interpret, name="jaxalign_flash_forward",
-    )(mask.q_segments, mask.q_prefixes, mask.k_segments, q, k, v)
+    )(*_vectors(mask), q, k, v)
 
 
 def _backward(q, k, v, mask: SegmentMask, out, lse, do, static: _Static):
@@ -224,25 +248,24 @@ def _backward(q, k, v, mask: SegmentMask, out, lse, do, static: _Static):
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     q_spec, kv_whole, qvec, kvec_whole, per_head = _specs(groups, length, head_dim, static.bq, by_query=True)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=static.scale, window=static.window, bq=static.bq, bk=static.bk,
-                          nk=length // static.bk),
+        functools.partial(_dq_kernel, **_knobs(static), nk=length // static.bk),
         grid=(batch, heads, length // static.bq),
-        in_specs=[qvec, qvec, kvec_whole, q_spec, kv_whole, kv_whole, q_spec, per_head, per_head],
+        in_specs=[qvec, qvec, qvec, kvec_whole, kvec_whole, q_spec, kv_whole, kv_whole, q_spec, per_head, per_head],
         out_specs=q_spec, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=static.interpret, name="jaxalign_flash_dq",
-    )(mask.q_segments, mask.q_prefixes, mask.k_segments, q, k, v, do, lse, delta)
+    )(*_vectors(mask), q, k, v, do, lse, delta)
 
     q_whole, kv_spec, qvec_whole, kvec, per_head_whole = _specs(groups, length, head_dim, static.bk, by_query=False)
     per_q_head = pl.BlockSpec((None, None, static.bk, head_dim), lambda b, h, i: (b, h, i, 0))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, scale=static.scale, window=static.window, bq=static.bq, bk=static.bk,
-                          nq=length // static.bq),
+        functools.partial(_dkv_kernel, **_knobs(static), nq=length // static.bq),
         grid=(batch, heads, length // static.bk),
-        in_specs=[qvec_whole, qvec_whole, kvec, q_whole, kv_spec, kv_spec, q_whole, per_head_whole, per_head_whole],
+        in_specs=[qvec_whole, qvec_whole, qvec_whole, kvec, kvec, q_whole, kv_spec, kv_spec, q_whole, per_head_whole,
+                  per_head_whole],
         out_specs=[per_q_head, per_q_head],
         out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32)] * 2,
         interpret=static.interpret, name="jaxalign_flash_dkv",
-    )(mask.q_segments, mask.q_prefixes, mask.k_segments, q, k, v, do, lse, delta)
+    )(*_vectors(mask), q, k, v, do, lse, delta)
 
     def per_kv_head(grad, like):  # the query heads of a group share their key/value head
         return grad.reshape(batch, kv_heads, groups, length, head_dim).sum(axis=2).astype(like.dtype)
@@ -287,6 +310,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: SegmentMask,
         interpret = jax.default_backend() == "cpu"
     block = min(block, _round_up(length, 8))
     padded = _round_up(length, block)
+    bounds = window if mask.positions is None else 0  # block bounds count slots: not for distances in positions
+    mask = mask._replace(positions=mask.window_positions())
     q = q.transpose(0, 2, 1, 3)
     if padded != length:
         def pad(x, axis, value=0):
@@ -296,8 +321,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: SegmentMask,
 
         q, k, v = pad(q, 2), pad(k, 2), pad(v, 2)
         mask = SegmentMask(pad(mask.q_segments, 1), pad(mask.k_segments, 1, _NO_KEY),
-                           pad(mask.q_prefixes, 1, _NO_PREFIX))
-    static = _Static(float(scale), int(window), block, block, bool(interpret))
+                           pad(mask.q_prefixes, 1, _NO_PREFIX), pad(mask.positions, 1))
+    static = _Static(float(scale), int(window), int(bounds), block, block, bool(interpret))
     out = _sharded(functools.partial(_flash, static=static), q, k, v, mask)
     return out[:, :, :length].transpose(0, 2, 1, 3)
 
@@ -320,5 +345,5 @@ def _sharded(fn, q, k, v, mask: SegmentMask):
     tensors = jax.sharding.PartitionSpec(rows, head_axes, None, None)
     vectors = jax.sharding.PartitionSpec(rows, None)
     return jax.shard_map(lambda q, k, v, *m: fn(q, k, v, SegmentMask(*m)), mesh=mesh,
-                         in_specs=(tensors, tensors, tensors, vectors, vectors, vectors), out_specs=tensors,
+                         in_specs=(tensors, tensors, tensors, *[vectors] * len(mask)), out_specs=tensors,
                          check_vma=False)(q, k, v, *mask)

@@ -380,9 +380,12 @@ def positions_from_mask(attention_mask: jax.Array, segment_ids: jax.Array | None
     return index - start
 
 
-def _attention_mask(q_slots, k_slots, k_valid, q_segments, k_segments, window: int, q_prefixes=None) -> jax.Array:
+def _attention_mask(q_slots, k_slots, k_valid, q_segments, k_segments, window: int, q_prefixes=None,
+                    positions=None) -> jax.Array:
     """``[B, T, S]``: key slot visible from query slot (causal, valid, same segment or the query's prefix
-    segment, inside the window)."""
+    segment, inside the window). The window counts slots, or ``positions`` (self-attention without a cache) where
+    they are given: in shared-prefix rows a completion's distance to its prompt is one of positions, the other
+    completions' slots lying between them."""
     mask = (k_slots[:, None, :] <= q_slots[:, :, None]) & k_valid[:, None, :]
     if q_segments is not None:
         same = q_segments[:, :, None] == k_segments[:, None, :]
@@ -390,7 +393,8 @@ def _attention_mask(q_slots, k_slots, k_valid, q_segments, k_segments, window: i
             same |= q_prefixes[:, :, None] == k_segments[:, None, :]
         mask &= same
     if window:
-        mask &= q_slots[:, :, None] - k_slots[:, None, :] < window
+        at_q, at_k = (q_slots, k_slots) if positions is None else (positions, positions)
+        mask &= at_q[:, :, None] - at_k[:, None, :] < window
     return mask
 
 
@@ -726,10 +730,13 @@ class LlamaForCausalLM(nnx.Module):
                   for local in {self.config.local_rope(i) for i in range(self.config.num_layers)}}
         windows = {self.config.layer_window(i) for i in range(self.config.num_layers)}
         if self.config.attention_impl == "pallas" and cache is None:  # one mask as vectors; each layer its window
-            vectors = SegmentMask.build(attention_mask, segment_ids, prefix_ids)
+            vectors = SegmentMask.build(attention_mask, segment_ids, prefix_ids,
+                                        None if prefix_ids is None else positions)
             masks = dict.fromkeys(windows, vectors)
         else:
-            masks = {window: _attention_mask(slots, k_slots, k_valid, segment_ids, k_segments, window, prefix_ids)
+            window_positions = positions if prefix_ids is not None and cache is None else None
+            masks = {window: _attention_mask(slots, k_slots, k_valid, segment_ids, k_segments, window, prefix_ids,
+                                             window_positions)
                      for window in windows}
         x = constrain(x, ("batch", "length", "act_embed"))
 
