@@ -97,12 +97,15 @@ def repeat_rows(cache: KVCache, times: int) -> KVCache:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cache_length", "greedy", "top_k", "nucleus", "pad_id",
-                                             "num_samples"))
+                                             "num_samples", "layers", "weights"))
 def _generate(graphdef, state, prompt_tokens, prompt_mask, key, max_new_tokens, temperature, top_p, eos_ids,
               stop_below, *,
               cache_length: int, greedy: bool, top_k: int, nucleus: bool, pad_id: int,
-              num_samples: int = 1) -> Generation:
-    model = nnx.merge(graphdef, state)
+              num_samples: int = 1, layers: str = "auto", weights: str = "model") -> Generation:
+    # the decode layout is made inside the compiled call: its copies (unstacked layers, cast weights) are one
+    # pass over the weights per call, where building them eagerly cost a dispatch per layer and leaf (0.6 s for a
+    # 32-layer tiny model, more than its whole decode)
+    model = decoding_model(nnx.merge(graphdef, state), layers=layers, weights=weights)
     prompts, prompt_len = prompt_tokens.shape
     room = cache_length - prompt_len
     out = model(prompt_tokens, prompt_mask, cache=KVCache.init(model.config, prompts, cache_length))
@@ -147,14 +150,15 @@ def decoding_model(model: LlamaForCausalLM, *, layers: str = "auto", weights: st
     """The model the decode loop runs, from ``model``: the same function of the tokens, laid out for decoding.
 
     ``layers``: "scanned" keeps a scanned model's stacked layers (``model.scan_layers``) under ``lax.scan``;
-    "unrolled" gives it per-layer weights (a copy, made per call) so the decode loop runs the layers one by one;
-    "auto" unrolls on the CPU only. Measured on 2 CPU cores (docs/benchmarks.md, decoding): XLA:CPU copies each
-    layer's weight slices out of the stack at every step of the scan; unrolled, SmolLM2-135M decoded 1.54x the
-    tokens/s at batch 1. Models with LoRA adapters stay as they are with "auto" ("unrolled" refuses them:
-    merge the adapters first). ``weights``: "model" keeps the parameters' dtype; "float32" / "bfloat16" casts every
-    floating-point parameter (the compute dtype, ``config.dtype``, is unchanged: weight-only). bfloat16 halves the
-    bytes each step streams, which is what decoding is bound by on a GPU or TPU; on the CPU it brought no speed
-    (XLA:CPU converts the weights before each matmul; docs/benchmarks.md)."""
+    "unrolled" gives it per-layer weights (a copy; ``sample`` makes it inside its compiled call) so the decode
+    loop runs the layers one by one; "auto" unrolls on the CPU only. Measured on 2 CPU cores (docs/benchmarks.md,
+    decoding): XLA:CPU copies each layer's weight slices out of the stack at every step of the scan; unrolled,
+    SmolLM2-135M decoded 1.54x the tokens/s at batch 1 on an Intel Xeon. Models with LoRA adapters stay as they
+    are with "auto" ("unrolled" refuses them: merge the adapters first). ``weights``: "model" keeps the
+    parameters' dtype; "float32" / "bfloat16" casts every floating-point parameter (the compute dtype,
+    ``config.dtype``, is unchanged: weight-only). bfloat16 halves the bytes each step streams, which is what
+    decoding is bound by on a GPU or TPU; on the CPU it brought no speed (XLA:CPU converts the weights before
+    each matmul; docs/benchmarks.md)."""
     if layers not in DECODE_LAYERS:
         raise ValueError(f"layers={layers!r}: expected one of {DECODE_LAYERS}")
     if weights not in DECODE_WEIGHTS:
@@ -210,12 +214,15 @@ def sample(model: LlamaForCausalLM, prompt_tokens, *, prompt_mask=None, max_new_
         raise ValueError("prompts must be left-padded: the last column of prompt_mask must be 1 in every row")
     eos_ids = eos_id if isinstance(eos_id, tuple | list) else (eos_id,)
     eos = (-1,) if eos_id is None else tuple(int(e) for e in eos_ids)
-    graphdef, state = nnx.split(decoding_model(model, layers=layers, weights=weights))
+    if layers not in DECODE_LAYERS or weights not in DECODE_WEIGHTS:
+        decoding_model(model, layers=layers, weights=weights)  # its message
+    graphdef, state = nnx.split(model)
     out = _generate(graphdef, state, jnp.asarray(prompt_tokens), jnp.asarray(mask), jax.random.key(seed),
                     jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(temperature, jnp.float32),
                     jnp.asarray(top_p, jnp.float32), jnp.asarray(eos, jnp.int32), jnp.asarray(stop_below, jnp.float32),
                     cache_length=cache_bucket(prompt_tokens.shape[1] + max_new_tokens), greedy=temperature == 0.0,
-                    top_k=int(top_k), nucleus=top_p < 1.0, pad_id=int(pad_id), num_samples=int(num_samples))
+                    top_k=int(top_k), nucleus=top_p < 1.0, pad_id=int(pad_id), num_samples=int(num_samples),
+                    layers=layers, weights=weights)
     cut = lambda x: x[:, :max_new_tokens]
     return out._replace(tokens=cut(out.tokens), logps=cut(out.logps), top1_probs=cut(out.top1_probs),
                         sampling_logps=cut(out.sampling_logps), entropy=cut(out.entropy))
