@@ -106,6 +106,33 @@ def test_group_rows_hold_each_prompt_once():
             assert set(rows["group_prefix_ids"][g, slots[slots >= 6]]) <= {5}
 
 
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_group_layout_attention_equals_the_general_mask(tiny_config, softcap):
+    """``group_layout``: attention per block (prompt; each completion over prompt + itself) gives the general
+    segment / prefix mask's hidden states at every real token and its gradients."""
+    config = tiny_config.replace(attn_softcap=softcap)
+    batch = grouped_rollout_batch(seed=3)
+    rows = {k: jnp.asarray(v) for k, v in
+            group_rows(batch["tokens"], batch["attention_mask"], batch["loss_mask"], 4, 5).items()}
+    graphdef, params = nnx.split(create_model(config, seed=1))
+    real = rows["group_attention_mask"][:, :, None] > 0
+
+    def hidden(p, layout):
+        out, _ = nnx.merge(graphdef, p).hidden_states(
+            rows["group_tokens"], rows["group_attention_mask"], segment_ids=rows["group_segment_ids"],
+            prefix_ids=rows["group_prefix_ids"], positions=rows["group_positions"], group_layout=layout)
+        return jnp.where(real, out, 0.0)
+
+    np.testing.assert_allclose(hidden(params, (6, 4, 5)), hidden(params, None), atol=1e-5)
+    weights = jnp.asarray(np.random.default_rng(0).normal(size=(2, 26, config.hidden_size)), jnp.float32)
+    grads = [jax.grad(lambda p, layout=layout: jnp.sum(hidden(p, layout) * weights))(params)
+             for layout in ((6, 4, 5), None)]
+    for x, y in zip(*(jax.tree.leaves(g) for g in grads), strict=True):  # float32 sums in another order
+        np.testing.assert_allclose(x, y, atol=1e-5 * float(jnp.max(jnp.abs(y))))
+    with pytest.raises(ValueError, match="does not describe rows of 26 slots"):
+        hidden(params, (6, 4, 4))
+
+
 @pytest.mark.parametrize("hp", [dict(loss_type="dapo", beta=0.04), dict(loss_type="grpo",
                                                                         importance_sampling_level="sequence")])
 def test_shared_prefix_groups_give_the_repeated_prompt_loss_and_gradients(tiny_config, hp):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import math
 from collections.abc import Iterator
@@ -123,6 +124,22 @@ def norm(config: LlamaConfig, dim: int, rngs: nnx.Rngs) -> RMSNorm:
     return RMSNorm(dim, config.rms_norm_eps, config.param_dtype, rngs, offset=config.norm_offset)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["valid"],
+                   meta_fields=["prompt", "size", "completion"])
+@dataclasses.dataclass(frozen=True)
+class GroupLayout:
+    """The mask of shared-prefix group rows (``data.batching.group_rows``): ``prompt`` slots (left-padded), then
+    ``size`` completions of ``completion`` slots each (right-padded); ``valid [B, T]`` marks real tokens. A prompt
+    token sees the real prompt tokens up to itself, a completion token the real prompt tokens and its own
+    completion's up to itself: the attention is computed per block, ``P² + G·C·(P + C)`` scores a row instead of
+    ``(P + G·C)²``."""
+
+    valid: jax.Array
+    prompt: int
+    size: int
+    completion: int
+
+
 def softcap(x: jax.Array, cap: float) -> jax.Array:
     """``cap · tanh(x / cap)`` (Gemma's soft-capping); ``x`` itself when ``cap`` is 0."""
     return cap * jnp.tanh(x / cap) if cap else x
@@ -199,6 +216,8 @@ class Attention(nnx.Module):
         batch, length = x.shape[:2]
         if isinstance(mask, SegmentMask):  # attention_impl="pallas" without a KV cache
             return self._output(flash_attention(q, k, v, mask, scale=self.scale, window=self.window)), new_kv
+        if isinstance(mask, GroupLayout):
+            return self._output(self._grouped(q, k, v, mask)), new_kv
         if cfg.attention_impl in ("dot_product", "cudnn"):
             out = jax.nn.dot_product_attention(
                 q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask=mask[:, None, :, :], scale=self.scale,
@@ -218,6 +237,49 @@ class Attention(nnx.Module):
         out = jnp.einsum("bkqs,bksd->bkqd", probs, v)
         out = out.reshape(batch, cfg.num_kv_heads, groups, length, cfg.head_dim).transpose(0, 3, 1, 2, 4)
         return self._output(out.reshape(batch, length, cfg.num_heads, cfg.head_dim)), new_kv
+
+    def _scores(self, q, k, batch_dims: str) -> jax.Array:
+        """Scaled, soft-capped float32 scores of queries ``[..., Q, hd]`` against keys ``[..., S, hd]``."""
+        scores = jnp.einsum(f"{batch_dims}qd,{batch_dims}sd->{batch_dims}qs", q, k,
+                            preferred_element_type=jnp.float32)
+        return softcap(scores * self.scale, self.config.attn_softcap)
+
+    def _grouped(self, q, k, v, layout: GroupLayout) -> jax.Array:
+        """Attention over group rows (``GroupLayout``) as the dense path computes it at every real token, block by
+        block: the prompt's queries against the prompt's keys, each completion's queries against the prompt's keys
+        and its own (one softmax over both). Queries of a kv head's group stay stacked along the rows, as in the
+        dense path."""
+        cfg = self.config
+        batch, kv, hd = q.shape[0], cfg.num_kv_heads, cfg.head_dim
+        groups, p, g, c = cfg.num_heads // kv, layout.prompt, layout.size, layout.completion
+        valid = layout.valid.astype(bool)
+        kp, vp = k[:, :, :p], v[:, :, :p]
+
+        q_prompt = q[:, :p].reshape(batch, p, kv, groups, hd).transpose(0, 2, 3, 1, 4)
+        q_prompt = q_prompt.reshape(batch, kv, groups * p, hd)
+        scores = self._scores(q_prompt, kp, "bk").reshape(batch, kv, groups, p, p)
+        seen = (jnp.arange(p)[None, :] <= jnp.arange(p)[:, None])[None] & valid[:, None, :p]
+        probs = jax.nn.softmax(jnp.where(seen[:, None, None], scores, _MASK_VALUE), axis=-1).astype(q.dtype)
+        out_prompt = jnp.einsum("bkqs,bksd->bkqd", probs.reshape(batch, kv, groups * p, p), vp)
+        out_prompt = out_prompt.reshape(batch, kv, groups, p, hd).transpose(0, 3, 1, 2, 4)
+
+        q_own = q[:, p:].reshape(batch, g, c, kv, groups, hd).transpose(0, 3, 1, 4, 2, 5)  # [B, KV, G, groups, C, hd]
+        q_own = q_own.reshape(batch, kv, g, groups * c, hd)
+        k_own, v_own = (x[:, :, p:].reshape(batch, kv, g, c, hd) for x in (k, v))
+        to_prompt = self._scores(q_own.reshape(batch, kv, g * groups * c, hd), kp, "bk")
+        scores = jnp.concatenate([to_prompt.reshape(batch, kv, g, groups * c, p), self._scores(q_own, k_own, "bkg")],
+                                 axis=-1).reshape(batch, kv, g, groups, c, p + c)
+        own_valid = valid[:, p:].reshape(batch, g, 1, c)
+        seen = jnp.concatenate([jnp.broadcast_to(valid[:, None, None, :p], (batch, g, c, p)),
+                                (jnp.arange(c)[None, :] <= jnp.arange(c)[:, None])[None, None] & own_valid], axis=-1)
+        probs = jax.nn.softmax(jnp.where(seen[:, None, :, None], scores, _MASK_VALUE), axis=-1).astype(q.dtype)
+        probs = probs.reshape(batch, kv, g, groups * c, p + c)
+        out_own = (jnp.einsum("bkqs,bksd->bkqd", probs[..., :p].reshape(batch, kv, g * groups * c, p), vp)
+                   .reshape(batch, kv, g, groups * c, hd)
+                   + jnp.einsum("bkgqs,bkgsd->bkgqd", probs[..., p:], v_own))
+        out_own = out_own.reshape(batch, kv, g, groups, c, hd).transpose(0, 2, 4, 1, 3, 5)
+        return jnp.concatenate([out_prompt.reshape(batch, p, cfg.num_heads, hd),
+                                out_own.reshape(batch, g * c, cfg.num_heads, hd)], axis=1)
 
     def _output(self, heads: jax.Array) -> jax.Array:
         y = dense(heads, self.o_proj[...].astype(heads.dtype), contract=2)
@@ -698,9 +760,13 @@ class LlamaForCausalLM(nnx.Module):
         segment_ids: jax.Array | None = None,
         prefix_ids: jax.Array | None = None,
         cache: KVCache | None = None,
+        group_layout: tuple[int, int, int] | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Final-norm hidden states ``[B, T, D]`` and the updated cache (None without one). ``prefix_ids``
-        (with ``segment_ids``; shared-prefix rows): a second segment each token also attends to (0 = none)."""
+        (with ``segment_ids``; shared-prefix rows): a second segment each token also attends to (0 = none).
+        ``group_layout = (P, G, C)``: the rows are GRPO group rows (``data.batching.group_rows``; with their
+        ``segment_ids`` / ``prefix_ids``); ``attention_impl="xla"`` then computes attention block by block
+        (``GroupLayout``; not in sliding-window models, whose windows take the general mask)."""
         if (tokens is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of tokens and inputs_embeds")
         x = self.embed(tokens) if inputs_embeds is None else inputs_embeds.astype(self.config.dtype)
@@ -729,7 +795,12 @@ class LlamaForCausalLM(nnx.Module):
         tables = {local: rotary_tables(self.config, positions, local)
                   for local in {self.config.local_rope(i) for i in range(self.config.num_layers)}}
         windows = {self.config.layer_window(i) for i in range(self.config.num_layers)}
-        if self.config.attention_impl == "pallas" and cache is None:  # one mask as vectors; each layer its window
+        if group_layout is not None and group_layout[0] + group_layout[1] * group_layout[2] != length:
+            raise ValueError(f"group_layout {group_layout} (prompt, completions, completion length) does not "
+                             f"describe rows of {length} slots")
+        if group_layout is not None and cache is None and windows == {0} and self.config.attention_impl == "xla":
+            masks = {0: GroupLayout(attention_mask, *map(int, group_layout))}
+        elif self.config.attention_impl == "pallas" and cache is None:  # one mask as vectors; each layer its window
             vectors = SegmentMask.build(attention_mask, segment_ids, prefix_ids,
                                         None if prefix_ids is None else positions)
             masks = dict.fromkeys(windows, vectors)

@@ -109,19 +109,23 @@ SHARED_FIELDS = ("positions", "prefix_ids", "predictor_index")  # shared-prefix 
 def policy_token_logps(model, tokens: jax.Array, attention_mask: jax.Array, loss_mask: jax.Array, *,
                        inputs_embeds: jax.Array | None = None, segment_ids: jax.Array | None = None,
                        shared: Mapping[str, jax.Array] | None = None, chunk_size: int = 0,
-                       return_hidden: bool = False, temperature: float = 1.0):
+                       return_hidden: bool = False, temperature: float = 1.0,
+                       group_layout: tuple[int, int, int] | None = None):
     """Token log-probs ``[B, T]`` of ``tokens`` under ``model`` (and the final hidden states if asked);
     ``temperature != 1``: of ``softmax(logits / temperature)`` (RL's sampling distribution, as TRL trains it).
 
     ``shared``: shared-prefix rows' ``SHARED_FIELDS`` (``packed_batch``, ``group_rows``); the
     hidden state at slot ``t`` is then the one that predicts token ``t + 1`` (its prompt's last for a completion's
-    first token), and the returned hidden states are in that order.
+    first token), and the returned hidden states are in that order. ``group_layout``: GRPO group rows' ``(P, G, C)``
+    (``LlamaForCausalLM.hidden_states``).
 
     ``chunk_size > 0`` takes the fused, memory-light path (``token_logps_from_hidden``, vocabulary tiles of
     ``chunk_size`` columns): the ``[B, T, V]`` logits are never held at once; ``-1`` chooses
     (``resolve_chunk_size``).
     """
     extra = {} if shared is None else {"positions": shared["positions"], "prefix_ids": shared["prefix_ids"]}
+    if group_layout is not None:
+        extra["group_layout"] = group_layout
     hidden, _ = model.hidden_states(None if inputs_embeds is not None else tokens, attention_mask,
                                     inputs_embeds=inputs_embeds, segment_ids=segment_ids, **extra)
     if shared is not None:  # slot t takes the state that predicts token t + 1

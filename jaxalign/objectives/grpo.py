@@ -144,10 +144,11 @@ def completion_logps(model, batch, *, chunk_size: int = 0, temperature: float = 
     size = rows // groups
     completion = (slots - width) // (size - 1)
     shared = {name: batch[f"group_{name}"] for name in SHARED_FIELDS}
+    prompt = width - completion
     logps = policy_token_logps(model, batch["group_tokens"], batch["group_attention_mask"],
                                batch["group_loss_mask"], segment_ids=batch["group_segment_ids"], shared=shared,
-                               chunk_size=chunk_size, temperature=temperature)
-    prompt = width - completion
+                               chunk_size=chunk_size, temperature=temperature,
+                               group_layout=(prompt, size, completion))
     completions = logps[:, prompt:].reshape(rows, completion)
     return jnp.concatenate([jnp.zeros((rows, prompt), completions.dtype), completions], axis=1)
 
