@@ -22,6 +22,12 @@ What it measures, all in float32:
 4. Greedy sampling at the SmolLM2-135M shape, batch 1 and 8, 64-token prompts, 64 new tokens: ``jaxalign.sampling
    .generate`` against transformers ``generate(do_sample=False)`` on the same random weights (``save_hf``, then
    ``from_pretrained``), and whether both choose the same tokens.
+5. ``--extras`` (default all three, after the rows above): ``bandwidth``, the machine's memory bandwidth
+   (``benchmarks/decode.py``'s passes over a 1 GiB array: jitted sum, jitted matrix-vector product, numpy copy);
+   ``grpo``, a GRPO step (rollout + update) of jaxalign against TRL's ``GRPOTrainer`` at the 4x256, V 4,096 shape
+   (``benchmarks/grpo_cpu.py``); ``shared-prefix``, shared-prefix DPO against packing and padding on the
+   prompt-heavy set (``benchmarks/packed_preference.py``) and the shared-prefix GRPO step against repeated
+   prompts (``benchmarks/grpo_shared_prefix.py``). Each script's docstring says what it times.
 
 Data: ``examples`` random preference pairs per shape. Each pair has a prompt of a quarter of the padded length and
 chosen / rejected completions that end in EOS (id 2); each sequence's total length is drawn from [0.9·S, S] and the
@@ -445,6 +451,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {ours['batch']} | {ours['tokens_per_s']:,.1f} | {theirs['tokens_per_s']:,.1f} | "
                          f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}× | {same[0]}/{ours['new_tokens']} | "
                          f"{sum(m == ours['new_tokens'] for m in same)}/{len(same)} | {ours['first_call_s']:.1f} |")
+    lines += extras_markdown(result)
     if result["targets"]:
         lines += ["", "| target (issue 11) | measured | met |", "|---|---|---|"]
         for goal, measured, met in result["targets"]:
@@ -469,7 +476,12 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"), help="folder for cpu-<date>.json")
     parser.add_argument("--shapes", default="", help="comma list of train-step shapes to run (default: all)")
     parser.add_argument("--no-sampling", action="store_true", help="skip the greedy-sampling comparison")
+    parser.add_argument("--extras", default=",".join(EXTRAS),
+                        help=f"comma list of extra sections ({', '.join(EXTRAS)}); '' for none")
     args = parser.parse_args()
+    extras = [name for name in args.extras.split(",") if name]
+    if set(extras) - set(EXTRAS):
+        parser.error(f"--extras: unknown {sorted(set(extras) - set(EXTRAS))} (known: {', '.join(EXTRAS)})")
     started = datetime.datetime.now(datetime.UTC)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     if args.shapes:
@@ -515,6 +527,7 @@ def main() -> None:
                     result["sampling"].append(row)
                 else:
                     result["train"].append(row)
+        result.update(run_extras(extras, args.smoke, python, peak))
     finish(result)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -523,6 +536,76 @@ def main() -> None:
     path.write_text(json.dumps(result, indent=1) + "\n")
     print("\n" + markdown(result) + "\n")
     print(f"raw results: {path} ({result['wall_s'] / 60:.1f} min)")
+
+
+EXTRAS = ("bandwidth", "grpo", "shared-prefix")
+
+
+def run_extras(extras: list[str], smoke: bool, python: str | None, peak: float) -> dict:
+    """The ``--extras`` sections, measured by the functions of their own benchmark scripts."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    out = {}
+    if "bandwidth" in extras:
+        from decode import bandwidth
+
+        out["bandwidth"] = bandwidth(0.125 if smoke else 1.0)
+        print(f"  bandwidth {json.dumps(out['bandwidth'])}", flush=True)
+    if "grpo" in extras:
+        import grpo_cpu
+
+        run, shape = (grpo_cpu.SMOKE_RUN, "tiny") if smoke else (grpo_cpu.RUN, "4x256-v4096")
+        rows = [grpo_cpu.jax_grpo(shape, run)] + ([grpo_cpu.trl_grpo(python, shape, run)] if python else [])
+        gflop = grpo_cpu.model_gflop(shape, run)
+        out["grpo"] = {"shape": shape, "run": run, "rows": [grpo_cpu.with_mfu(row, gflop, peak) for row in rows]}
+        for row in out["grpo"]["rows"]:
+            print(f"  grpo {row['side']}: " + (f"{row['step_s']:.3f} s/step" if "step_s" in row else row["error"]),
+                  flush=True)
+    if "shared-prefix" in extras:
+        import grpo_shared_prefix
+        import packed_preference
+
+        out["shared_prefix"] = {"dpo": packed_preference.measure("prompt-heavy", smoke),
+                                "grpo": grpo_shared_prefix.measure(smoke)}
+    return out
+
+
+def extras_markdown(result: dict) -> list[str]:
+    lines = []
+    if "bandwidth" in result:
+        rates = result["bandwidth"]
+        lines += ["", f"Memory bandwidth ({rates['array_bytes'] / 2**30:.2f} GiB arrays, best of 5): jitted sum "
+                      f"{rates['jax_sum_read_gbs']:.1f} GB/s, jitted matrix-vector product "
+                      f"{rates['jax_matvec_read_gbs']:.1f} GB/s, numpy copy {rates['numpy_copy_read_write_gbs']:.1f} "
+                      "GB/s read + write."]
+    if "grpo" in result:
+        rows = {r["side"]: r for r in result["grpo"]["rows"]}
+        lines += ["", f"**GRPO step, {result['grpo']['shape']}** ({result['grpo']['run']['prompts']} prompts x "
+                      f"{result['grpo']['run']['generations']} completions of "
+                      f"{result['grpo']['run']['completion_length']} tokens)", "",
+                  "| side | step (s) | rollout (s) | train (s) | train MFU | jaxalign ÷ this |",
+                  "|---|---|---|---|---|---|"]
+        ours = rows.get("jax")
+        for side, label in (("jax", "jaxalign"), ("torch", "TRL GRPOTrainer")):
+            row = rows.get(side)
+            if row is None or "step_s" not in row:
+                lines.append(f"| {label} | {row['error'][:100] if row else 'not run'} | | | | |")
+                continue
+            ratio = f"{row['step_s'] / ours['step_s']:.2f}×" if side != "jax" and ours and "step_s" in ours else ""
+            lines.append(f"| {label} | {row['step_s']:.3f} | {row['rollout_s']:.3f} | {row['train_s']:.3f} | "
+                         f"{100 * row['train_mfu']:.1f} % | {ratio} |")
+    if "shared_prefix" in result:
+        dpo = result["shared_prefix"]["dpo"]["sets"]["prompt-heavy"]
+        lines += ["", "**Shared prefix** (real tokens/s)", "",
+                  "| objective | set | baseline | shared prefix | shared ÷ baseline |", "|---|---|---|---|---|"]
+        padded, packed, shared = dpo["rows"].values()
+        lines.append(f"| DPO | prompt-heavy ({100 * dpo['prompt_share']:.0f} % prompt) | packed "
+                     f"{packed['tokens_per_s']:,.0f} | {shared['tokens_per_s']:,.0f} | "
+                     f"{dpo['shared_over_packed']:.2f}× (padded {padded['tokens_per_s']:,.0f}) |")
+        for row in result["shared_prefix"]["grpo"]["rows"]:
+            lines.append(f"| GRPO, G = 8 | prompt share {row['prompt_share']:.3f} | repeated prompts "
+                         f"{row['repeated']['tokens_per_s']:,.0f} | {row['shared']['tokens_per_s']:,.0f} | "
+                         f"{row['speedup']:.2f}× |")
+    return lines
 
 
 def finish(result: dict) -> None:

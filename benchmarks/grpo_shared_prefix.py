@@ -69,12 +69,9 @@ def time_arm(step, state, params, batch, reps: int) -> tuple[float, float, float
     return float(np.median(times)), compile_s, float(metrics["loss"].value / metrics["loss"].count)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out", default="")
-    args = parser.parse_args()
-    if args.smoke:
+def measure(smoke: bool = False) -> dict:
+    """Both arms at both prompt shares; prints the table as it goes."""
+    if smoke:
         shape = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
         groups, completion, reps = 2, 8, 2
     else:
@@ -111,6 +108,15 @@ def main() -> None:
               f"{row['shared']['step_s']:.3f} | {row['repeated']['tokens_per_s']:,.0f} | "
               f"{row['shared']['tokens_per_s']:,.0f} | {row['speedup']:.2f}x | {row['repeated']['loss']:.6f}, "
               f"{row['shared']['loss']:.6f} |", flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    results = measure(args.smoke)
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(results, handle, indent=2)

@@ -84,13 +84,9 @@ def run_epoch(step, state, reference, pipeline: DataPipeline, timed: bool):
                    "steps": pipeline.steps_per_epoch, "pairs": len(used)} if timed else None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--sets", default="heavy-tailed,prompt-heavy")
-    parser.add_argument("--out", default="")
-    args = parser.parse_args()
-    if args.smoke:
+def measure(sets: str = "heavy-tailed,prompt-heavy", smoke: bool = False) -> dict:
+    """Every layout on each of ``sets`` (comma-separated ``SETS`` names); prints the tables as it goes."""
+    if smoke:
         shape = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
         n_pairs, max_length = 24, 160
     else:
@@ -111,7 +107,7 @@ def main() -> None:
     }
     results = {"shape": shape, "pairs": n_pairs, "max_length": max_length, "jax": jax.__version__,
                "date": time.strftime("%Y-%m-%d"), "sets": {}}
-    for set_name in args.sets.split(","):
+    for set_name in sets.split(","):
         examples = SETS[set_name](n_pairs, max_length, config.vocab_size)
         lengths = np.array([len(e[f"{s}_tokens"]) for e in examples for s in ("chosen", "rejected")])
         prompt = np.mean([np.argmax(e[f"{s}_loss_mask"]) / len(e[f"{s}_tokens"]) for e in examples
@@ -143,6 +139,16 @@ def main() -> None:
                   f"{row['tokens_per_s']:,.0f} |")
         print(f"\npacked / padded {entry['packed_over_padded']:.2f}x, shared prefix / packed "
               f"{entry['shared_over_packed']:.2f}x, shared prefix / padded {entry['shared_over_padded']:.2f}x\n")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--sets", default="heavy-tailed,prompt-heavy")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    results = measure(args.sets, args.smoke)
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(results, handle, indent=2)

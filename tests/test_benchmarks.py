@@ -19,7 +19,7 @@ OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "ift", "mpo")
 def test_cpu_benchmark_smoke_writes_every_row(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as in a real run
     done = subprocess.run([sys.executable, "benchmarks/cpu.py", "--smoke", "--no-torch", "--out", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
     assert done.returncode == 0, done.stderr[-3000:]
     [path] = tmp_path.glob("cpu-*-smoke.json")
     result = json.loads(path.read_text())
@@ -51,6 +51,16 @@ def test_cpu_benchmark_smoke_writes_every_row(tmp_path):
     sampling = {r["batch"]: r for r in result["sampling"]}
     assert set(sampling) == {1, 8}
     assert all(len(r["tokens"]) == batch and r["tokens_per_s"] > 0 for batch, r in sampling.items())
+    # the extras: bandwidth, the GRPO step, the shared-prefix rows (their losses equal the unshared ones)
+    assert 0 < result["bandwidth"]["limit_gbs"] == max(result["bandwidth"]["jax_sum_read_gbs"],
+                                                       result["bandwidth"]["jax_matvec_read_gbs"])
+    [grpo] = result["grpo"]["rows"]
+    assert grpo["side"] == "jax" and grpo["step_s"] == pytest.approx(grpo["rollout_s"] + grpo["train_s"], rel=0.5)
+    dpo = result["shared_prefix"]["dpo"]["sets"]["prompt-heavy"]
+    assert len(dpo["rows"]) == 3 and all(r["tokens_per_s"] > 0 for r in dpo["rows"].values())
+    for row in result["shared_prefix"]["grpo"]["rows"]:
+        assert row["shared"]["loss"] == pytest.approx(row["repeated"]["loss"], rel=1e-4, abs=1e-7)
+    assert "**Shared prefix**" in done.stdout and "**GRPO step, tiny**" in done.stdout
 
 
 @pytest.mark.slow
