@@ -446,8 +446,8 @@ def _attention_mask(q_slots, k_slots, k_valid, q_segments, k_segments, window: i
                     positions=None) -> jax.Array:
     """``[B, T, S]``: key slot visible from query slot (causal, valid, same segment or the query's prefix
     segment, inside the window). The window counts slots, or ``positions`` (self-attention without a cache) where
-    they are given: in shared-prefix rows a completion's distance to its prompt is one of positions, the other
-    completions' slots lying between them."""
+    they are given: in shared-prefix rows the other completions' slots lie between a completion and its prompt, so
+    only positions give its distance to the prompt."""
     mask = (k_slots[:, None, :] <= q_slots[:, :, None]) & k_valid[:, None, :]
     if q_segments is not None:
         same = q_segments[:, :, None] == k_segments[:, None, :]
