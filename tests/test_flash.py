@@ -120,6 +120,7 @@ def test_model_forward_and_gradients_equal_the_einsum_path(layout, mesh8):
             np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.slow  # 20 s a case in interpret mode; the default suite keeps the kernel and whole-model checks
 @pytest.mark.parametrize("window", [0, 5])
 def test_shared_prefix_dpo_on_the_kernel_equals_padded_dpo_on_the_einsum_path(window):
     """Also with a sliding window shorter than the rows: there a completion's distance to its prompt counts
