@@ -128,6 +128,13 @@ def _forward_kernel(qseg_ref, qpre_ref, qpos_ref, kseg_ref, kpos_ref, q_ref, k_r
     lse_ref[...] = jnp.where(some, m + jnp.log(total), jnp.inf)[:, 0]
 
 
+def _probs_and_score_grads(q, k, v, do, lse, delta, seen):
+    """A block's probabilities ``exp(q k^T - lse)`` (0 where not ``seen``) and the scores' gradient
+    ``p * (dO v^T - delta)``, from the saved log-sum-exp and ``delta = sum(dO * O)`` (``q`` already scaled)."""
+    p = jnp.where(seen, jnp.exp(jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) - lse), 0.0)
+    return p, p * (jax.lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32) - delta)
+
+
 def _dq_kernel(qseg_ref, qpre_ref, qpos_ref, kseg_ref, kpos_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                dq_ref, *, scale, window, bounds, bq, bk, nk):
     qi = pl.program_id(2)
@@ -143,10 +150,7 @@ def _dq_kernel(qseg_ref, qpre_ref, qpos_ref, kseg_ref, kpos_ref, q_ref, k_ref, v
         v = v_ref[pl.ds(start, bk), :].astype(jnp.float32)
         seen = _visible(rows, _iota((1, bk), 1, start), q_seg, q_pre, kseg_ref[pl.ds(start, bk)][None, :], window,
                         q_pos, kpos_ref[pl.ds(start, bk)][None, :])
-        s = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
-        p = jnp.where(seen, jnp.exp(s - lse), 0.0)
-        ds = p * (jax.lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32) - delta)
-        return dq + jnp.dot(ds, k)
+        return dq + jnp.dot(_probs_and_score_grads(q, k, v, do, lse, delta, seen)[1], k)
 
     lo, hi = _key_blocks(qi, bq, bk, nk, bounds)
     dq_ref[...] = (jax.lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32)) * scale).astype(dq_ref.dtype)
@@ -169,9 +173,7 @@ def _dkv_kernel(qseg_ref, qpre_ref, qpos_ref, kseg_ref, kpos_ref, q_ref, k_ref, 
         seen = _visible(_iota((bq, 1), 0, start), cols, qseg_ref[pl.ds(start, bq)][:, None],
                         qpre_ref[pl.ds(start, bq)][:, None], k_seg, window, qpos_ref[pl.ds(start, bq)][:, None],
                         k_pos)
-        s = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
-        p = jnp.where(seen, jnp.exp(s - lse), 0.0)
-        ds = p * (jax.lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32) - delta)
+        p, ds = _probs_and_score_grads(q, k, v, do, lse, delta, seen)
         return (dk + jax.lax.dot_general(ds, q, _TN, preferred_element_type=jnp.float32),
                 dv + jax.lax.dot_general(p, do, _TN, preferred_element_type=jnp.float32))
 
@@ -333,15 +335,9 @@ def _sharded(fn, q, k, v, mask: SegmentMask):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return fn(q, k, v, mask)
-    rows = logical_to_spec(("batch",), q.shape[:1], mesh)[0]
-    head_axes = logical_to_spec(("heads",), q.shape[1:2], mesh)[0]
-    if head_axes is not None and logical_to_spec(("heads",), k.shape[1:2], mesh)[0] != head_axes:
+    rows, head_axes = logical_to_spec(("batch", "heads"), q.shape[:2], mesh)
+    if logical_to_spec(("batch", "heads"), k.shape[:2], mesh)[1] != head_axes:  # kv heads split otherwise
         head_axes = None
-    if head_axes is not None and rows is not None:  # a mesh axis serves one dimension
-        row_axes = (rows,) if isinstance(rows, str) else tuple(rows)
-        head_set = {head_axes} if isinstance(head_axes, str) else set(head_axes)
-        if head_set & set(row_axes):
-            head_axes = None
     tensors = jax.sharding.PartitionSpec(rows, head_axes, None, None)
     vectors = jax.sharding.PartitionSpec(rows, None)
     return jax.shard_map(lambda q, k, v, *m: fn(q, k, v, SegmentMask(*m)), mesh=mesh,

@@ -214,9 +214,7 @@ def sample(model: LlamaForCausalLM, prompt_tokens, *, prompt_mask=None, max_new_
         raise ValueError("prompts must be left-padded: the last column of prompt_mask must be 1 in every row")
     eos_ids = eos_id if isinstance(eos_id, tuple | list) else (eos_id,)
     eos = (-1,) if eos_id is None else tuple(int(e) for e in eos_ids)
-    if layers not in DECODE_LAYERS or weights not in DECODE_WEIGHTS:
-        decoding_model(model, layers=layers, weights=weights)  # its message
-    graphdef, state = nnx.split(model)
+    graphdef, state = nnx.split(model)  # _generate lays it out for decoding (decoding_model checks the options)
     out = _generate(graphdef, state, jnp.asarray(prompt_tokens), jnp.asarray(mask), jax.random.key(seed),
                     jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(temperature, jnp.float32),
                     jnp.asarray(top_p, jnp.float32), jnp.asarray(eos, jnp.int32), jnp.asarray(stop_below, jnp.float32),
