@@ -2,8 +2,12 @@
 
 The same pairs, the same model and the trainer's own jitted step and data pipeline. Padded: 8 pairs per step, each
 side padded to the smallest power-of-two bucket that fits the batch's longest sequence. Packed: rows of
-``2 x max_length`` tokens holding whole pairs (``data.packing``); 4 rows per step. Shared prefix: the same rows with
-each pair's prompt written once (``data.shared_prefix``); 4 rows per step. Every bucket or row shape is compiled in a
+``2 x max_length`` tokens holding whole pairs (``data.packing``); 4 rows per step. Shared prefix, packed: the same rows
+with each pair's prompt written once (``data.shared_prefix``); 4 rows per step. Shared prefix, one pair per row
+(``data.shared_prefix`` without packing): ``[prompt, chosen, rejected]`` rows in power-of-two buckets, 8 pairs per
+step. The padded and the one-pair-per-row layouts also run with buckets every 32 tokens (``data.bucket_step``): a
+shared row is longer than either of its pair's sequences, so power-of-two buckets round the two layouts
+differently. Every bucket or row shape is compiled in a
 first pass over the epoch; the second pass is timed. "Real tokens" are the pairs' own tokens (chosen + rejected,
 prompt counted in both, no padding): the same count for every layout, so tokens/s compare the work done.
 
@@ -103,7 +107,13 @@ def measure(sets: str = "heavy-tailed,prompt-heavy", smoke: bool = False) -> dic
     layouts = {
         "padded (8 pairs per step, power-of-two buckets)": PipelineConfig(batch_size=8, seed=0),
         f"packed (4 rows of {2 * max_length} tokens per step)": PipelineConfig(**rows),
-        f"shared prefix (4 rows of {2 * max_length} tokens per step)": PipelineConfig(**rows, shared_prefix=True),
+        f"shared prefix, packed (4 rows of {2 * max_length} tokens per step)": PipelineConfig(**rows,
+                                                                                             shared_prefix=True),
+        "shared prefix, one pair per row (8 pairs per step, power-of-two buckets)": PipelineConfig(
+            batch_size=8, seed=0, shared_prefix=True),
+        "padded, 32-token buckets": PipelineConfig(batch_size=8, seed=0, bucket_step=32),
+        "shared prefix, one pair per row, 32-token buckets": PipelineConfig(batch_size=8, seed=0, shared_prefix=True,
+                                                                           bucket_step=32),
     }
     results = {"shape": shape, "pairs": n_pairs, "max_length": max_length, "jax": jax.__version__,
                "date": time.strftime("%Y-%m-%d"), "sets": {}}
@@ -124,10 +134,16 @@ def measure(sets: str = "heavy-tailed,prompt-heavy", smoke: bool = False) -> dic
             row["first_pass_s"] = compile_pass
             entry["rows"][name] = row
             print(json.dumps({set_name: {name: row}}), flush=True)
-        padded, packed, shared = entry["rows"].values()
+        padded, packed, shared, per_row, padded_fine, per_row_fine = entry["rows"].values()
+        best = max(padded["tokens_per_s"], packed["tokens_per_s"], padded_fine["tokens_per_s"])
         entry["packed_over_padded"] = packed["tokens_per_s"] / padded["tokens_per_s"]
         entry["shared_over_packed"] = shared["tokens_per_s"] / packed["tokens_per_s"]
         entry["shared_over_padded"] = shared["tokens_per_s"] / padded["tokens_per_s"]
+        entry["per_row_over_padded"] = per_row["tokens_per_s"] / padded["tokens_per_s"]
+        entry["per_row_over_padded_fine"] = per_row_fine["tokens_per_s"] / padded_fine["tokens_per_s"]
+        # the fastest shared-prefix layout against the fastest without it
+        entry["shared_over_unshared"] = max(shared["tokens_per_s"], per_row["tokens_per_s"],
+                                            per_row_fine["tokens_per_s"]) / best
         results["sets"][set_name] = entry
         percentiles = entry["length_percentiles"]
         print(f"\n{set_name}: sequence lengths p50 {percentiles[50]:.0f}, p90 {percentiles[90]:.0f}, p99 "
@@ -137,8 +153,11 @@ def measure(sets: str = "heavy-tailed,prompt-heavy", smoke: bool = False) -> dic
         for name, row in entry["rows"].items():
             print(f"| {name} | {row['steps']} | {row['pairs']} | {row['real_tokens']:,} | {row['seconds']:.1f} | "
                   f"{row['tokens_per_s']:,.0f} |")
-        print(f"\npacked / padded {entry['packed_over_padded']:.2f}x, shared prefix / packed "
-              f"{entry['shared_over_packed']:.2f}x, shared prefix / padded {entry['shared_over_padded']:.2f}x\n")
+        print(f"\npacked / padded {entry['packed_over_padded']:.2f}x, shared prefix packed / packed "
+              f"{entry['shared_over_packed']:.2f}x, shared prefix one pair per row / padded "
+              f"{entry['per_row_over_padded']:.2f}x (32-token buckets: {entry['per_row_over_padded_fine']:.2f}x); "
+              f"best shared / best unshared "
+              f"{entry['shared_over_unshared']:.2f}x\n")
     return results
 
 

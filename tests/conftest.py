@@ -10,6 +10,9 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
                       "--xla_cpu_collective_call_terminate_timeout_seconds=300 "
                       "--xla_cpu_collective_timeout_seconds=300")
+# glibc writes its fatal messages (heap corruption and the like) to /dev/tty unless this is set, so a worker that
+# aborts would leave only Python's "Fatal Python error: Aborted" in the log
+os.environ.setdefault("LIBC_FATAL_STDERR_", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -57,7 +57,7 @@ def test_cpu_benchmark_smoke_writes_every_row(tmp_path):
     [grpo] = result["grpo"]["rows"]
     assert grpo["side"] == "jax" and grpo["step_s"] == pytest.approx(grpo["rollout_s"] + grpo["train_s"], rel=0.5)
     dpo = result["shared_prefix"]["dpo"]["sets"]["prompt-heavy"]
-    assert len(dpo["rows"]) == 3 and all(r["tokens_per_s"] > 0 for r in dpo["rows"].values())
+    assert len(dpo["rows"]) == 6 and all(r["tokens_per_s"] > 0 for r in dpo["rows"].values())
     for row in result["shared_prefix"]["grpo"]["rows"]:
         assert row["shared"]["loss"] == pytest.approx(row["repeated"]["loss"], rel=1e-4, abs=1e-7)
     assert "**Shared prefix**" in done.stdout and "**GRPO step, tiny**" in done.stdout

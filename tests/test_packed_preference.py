@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxalign.data.batching import pack_rows, packed_batch, pad_batch, shared_prompt_length
+from jaxalign.data import DataPipeline, PipelineConfig
+from jaxalign.data.batching import pack_rows, packed_batch, packed_size, pad_batch, shared_prompt_length
 from jaxalign.models import LlamaConfig, create_model
 from jaxalign.objectives import get_objective, make_params
 from jaxalign.train import load_config, train
@@ -131,6 +132,38 @@ def test_shared_prefix_equals_padded(name, params, window):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def test_shared_prefix_without_packing_is_one_pair_per_bucketed_row():
+    """``shared_prefix`` without packing: each pair its own row ``[prompt, chosen, rejected]``, padded to the
+    smallest bucket that holds the batch's longest such row; the DPO loss and gradients equal the padded batch's."""
+    examples = shared_pairs(8, seed=5)
+    pipeline = DataPipeline([examples], "preference", PipelineConfig(batch_size=8, shuffle=False,
+                                                                     shared_prefix=True))
+    batch = next(pipeline)
+    sizes = [packed_size(e, pairs=True, shared_prefix=True) for e in examples]
+    assert pipeline.buckets[-1] == max(sizes) and batch["tokens"].shape == (8, max(sizes))
+    np.testing.assert_array_equal(batch["pair_mask"], np.ones((8, 1)))
+    np.testing.assert_array_equal(batch["attention_mask"].sum(1), sizes)
+    model, reference = create_model(TINY, seed=1), create_model(TINY, seed=2)
+    length = max(max(len(e["chosen_tokens"]), len(e["rejected_tokens"])) for e in examples)
+    padded = {k: jnp.asarray(v) for k, v in pad_batch(examples, "preference", length, 0).items()}
+    shared = {k: jnp.asarray(v) for k, v in batch.items()}
+    a = loss_and_grads("dpo", padded, model, reference)
+    b = loss_and_grads("dpo", shared, model, reference)
+    np.testing.assert_allclose(b[0], a[0], rtol=1e-5, atol=1e-6)
+    for x, y in zip(jax.tree.leaves(b[2]), jax.tree.leaves(a[2]), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-5)
+    stepped = DataPipeline([examples], "preference", PipelineConfig(batch_size=4, shuffle=False, shared_prefix=True,
+                                                                    bucket_step=8))
+    assert stepped.buckets == (*range(8, max(sizes), 8), max(sizes))
+    for rows in (sizes[:4], sizes[4:]):
+        assert next(stepped)["tokens"].shape[1] == min(-(-max(rows) // 8) * 8, max(sizes))
+    with pytest.raises(ValueError, match="longest shared-prefix pair row has"):
+        DataPipeline([examples], "preference", PipelineConfig(batch_size=8, shared_prefix=True, buckets=(16,)))
+    with pytest.raises(ValueError, match="needs preference data, not 'sft'"):
+        DataPipeline([[{"tokens": np.ones(4, np.int32), "loss_mask": np.ones(4, np.int8)}]], "sft",
+                     PipelineConfig(batch_size=1, shared_prefix=True))
+
+
 @pytest.mark.slow
 def test_packed_precomputed_reference_equals_padded():
     examples = pairs(10, seed=3)
@@ -148,14 +181,14 @@ def test_packed_precomputed_reference_equals_padded():
     np.testing.assert_allclose(b[0], a[0], rtol=1e-5)
 
 
-@pytest.mark.parametrize("shared_prefix", [False, True])
-def test_packed_dpo_trains_end_to_end(tmp_path, shared_prefix):
+@pytest.mark.parametrize(("packing", "shared_prefix"), [(True, False), (True, True), (False, True)])
+def test_packed_dpo_trains_end_to_end(tmp_path, packing, shared_prefix):
     common = ["--config.model.shape.hidden_size=32", "--config.model.shape.intermediate_size=64",
               "--config.model.shape.num_layers=1", "--config.model.shape.num_heads=2",
               "--config.model.shape.num_kv_heads=1", "--config.data.toy_size=200", "--config.data.toy_eval_size=16",
               "--config.data.max_length=48", "--config.train.steps=4", "--config.eval.generate=0",
               "--config.logging.tensorboard=False", "--config.logging.plot=False", "--config.train.batch_size=8",
-              "--config.data.packing=True", "--config.data.row_length=128",
+              f"--config.data.packing={packing}", "--config.data.row_length=128",
               f"--config.data.shared_prefix={shared_prefix}"]
     summary = train(load_config("dpo", [*common, f"--config.workdir={tmp_path / 'run'}"]))
     assert summary["step"] == 4 and summary["final_eval"]["loss"] > 0

@@ -344,8 +344,9 @@ def test_too_many_skipped_updates_is_a_failed_run_not_done(monkeypatch, tmp_path
      ["data.packing is supported for sft, ift, dpo, simpo, orpo, cpo and distill, not mpo"]),
     (["--config.data.packing=True", "--config.data.row_length=100"],
      ["data.packing needs data.row_length >= 128 (a whole pair: 2 x data.max_length)"]),
-    (["--config.data.shared_prefix=True"], ["data.shared_prefix writes each pair's prompt once in packed rows: it "
-                                            "needs data.packing=True", "not dpo without packing"]),
+    (["--config.objective.name=sft", "--config.data.shared_prefix=True"],
+     ["data.shared_prefix writes each preference pair's prompt once: it needs a pair objective", "not sft"]),
+    (["--config.data.bucket_step=-1"], ["data.bucket_step=-1 must be >= 0"]),
     (["--config.optim.schedule=warmup_stable"], ["optim.schedule='warmup_stable'"]),
     (["--config.train.steps=0", "--config.data.on_invalid=ignore"], ["train.steps=0", "data.on_invalid='ignore'"]),
 ])

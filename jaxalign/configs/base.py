@@ -34,7 +34,7 @@ def get_config(arg=None):
         train="toy:arithmetic", eval="toy:arithmetic", eval_fraction=0.0, weights="", toy_size=4000, toy_eval_size=200,
         toy_style="short", max_length=64, max_prompt_length=0, truncation="keep_end", chat_template="",
         on_invalid="error", max_record_chars=1_000_000, template_timeout=2.0, packing=False, row_length=0,
-        max_pairs_per_row=8, shared_prefix=False, shuffle=True))
+        max_pairs_per_row=8, shared_prefix=False, bucket_step=0, shuffle=True))
 
     config.objective = ml_collections.ConfigDict(dict(name="sft"))
     config.objective.params = ml_collections.ConfigDict()

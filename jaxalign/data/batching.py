@@ -23,8 +23,11 @@ import numpy as np
 PAIR_PREFIXES = {"preference": ("",), "mpo": ("target_", "dominant_")}
 
 
-def default_buckets(max_length: int, smallest: int = 16) -> tuple[int, ...]:
-    """Powers of two from ``smallest`` up to ``max_length``, and ``max_length`` itself."""
+def default_buckets(max_length: int, smallest: int = 16, step: int = 0) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` up to ``max_length``, and ``max_length`` itself; with ``step`` > 0 the
+    multiples of ``step`` instead (more shapes to compile, less padding)."""
+    if step > 0:
+        return (*range(step, max_length, step), max_length)
     buckets = []
     size = smallest
     while size < max_length:

@@ -20,6 +20,7 @@ from jaxalign.data.batching import (
     max_sequence_length,
     pack_rows,
     packed_batch,
+    packed_size,
     pad_batch,
 )
 
@@ -28,8 +29,11 @@ from jaxalign.data.batching import (
 class PipelineConfig:
     """``batch_size`` is global (rows per step over all hosts). ``packing`` fills rows of ``row_length``
     (SFT: examples; preference: whole pairs, at most ``max_pairs_per_row``). Without packing, sequences pad
-    to the smallest of ``buckets`` (default: powers of two up to the longest example) that fits.
-    ``shared_prefix`` (packed preference data): each pair's prompt written once (``packed_batch``)."""
+    to the smallest of ``buckets`` (default: powers of two up to the longest example, or with ``bucket_step`` the
+    multiples of it) that fits.
+    ``shared_prefix`` (preference data): each pair's prompt written once (``packed_batch``), in the packed rows, or
+    without packing one pair per row (``[prompt, chosen completion, rejected completion]``), the row padded to the
+    smallest bucket that holds the batch's longest pair (the buckets then count a pair's row tokens)."""
 
     batch_size: int
     seed: int = 0
@@ -40,6 +44,7 @@ class PipelineConfig:
     max_pairs_per_row: int = 8
     shared_prefix: bool = False
     buckets: tuple[int, ...] | None = None
+    bucket_step: int = 0
     pad_id: int = 0
 
 
@@ -58,9 +63,9 @@ class DataPipeline:
             raise ValueError(f"packing is available for SFT and preference data, not {kind!r}")
         if config.packing and config.row_length <= 0:
             raise ValueError("packing needs row_length > 0")
-        if config.shared_prefix and not (config.packing and kind == "preference"):
-            raise ValueError(f"shared_prefix packs preference pairs: it needs packing and preference data, not "
-                             f"{kind!r} data{'' if config.packing else ' without packing'}")
+        if config.shared_prefix and kind != "preference":
+            raise ValueError(f"shared_prefix writes each preference pair's prompt once: it needs preference data, "
+                             f"not {kind!r} data")
         self.kind, self.config = kind, config
         self.num_hosts, self.host_index = num_hosts, host_index
         self.examples = [example for source in sources for example in source]
@@ -70,10 +75,15 @@ class DataPipeline:
                              "record a margin, or none")
         self._sizes = [len(source) for source in sources]
         self._offsets = np.cumsum([0, *self._sizes[:-1]])
-        longest = max_sequence_length(self.examples, kind)
-        self.buckets = tuple(config.buckets) if config.buckets else default_buckets(longest)
+        self._row_sizes = None  # shared prefix without packing: each pair's row tokens
+        if config.shared_prefix and not config.packing:
+            self._row_sizes = np.asarray([packed_size(example, pairs=True, shared_prefix=True)
+                                          for example in self.examples])
+        longest = max_sequence_length(self.examples, kind) if self._row_sizes is None else int(self._row_sizes.max())
+        self.buckets = tuple(config.buckets) if config.buckets else default_buckets(longest, step=config.bucket_step)
         if max(self.buckets) < longest:
-            raise ValueError(f"the longest sequence has {longest} tokens but the largest bucket is {max(self.buckets)}")
+            what = "sequence" if self._row_sizes is None else "shared-prefix pair row"
+            raise ValueError(f"the longest {what} has {longest} tokens but the largest bucket is {max(self.buckets)}")
         self.epoch, self.step = 0, 0
         self._units: list[list[int]] | None = None
         self._units_epoch = -1
@@ -139,6 +149,10 @@ class DataPipeline:
             batch = packed_batch(self.examples, rows, self.config.row_length, self.config.pad_id,
                                  pairs=self.kind == "preference", max_pairs_per_row=self.config.max_pairs_per_row,
                                  shared_prefix=self.config.shared_prefix)
+        elif self._row_sizes is not None:  # one shared-prefix pair per row
+            length = bucket_length(int(max(self._row_sizes[row[0]] for row in rows)), self.buckets)
+            batch = packed_batch(self.examples, rows, length, self.config.pad_id, pairs=True, max_pairs_per_row=1,
+                                 shared_prefix=True)
         else:
             examples = [self.examples[row[0]] for row in rows]
             length = bucket_length(max_sequence_length(examples, self.kind), self.buckets)

@@ -47,8 +47,10 @@ HELP: dict[str, str] = {
     "data.packing": "pack several examples (preference: whole pairs) into rows of data.row_length",
     "data.row_length": "with packing: tokens per packed row",
     "data.max_pairs_per_row": "with packing of preference data: pairs per row at most",
-    "data.shared_prefix": "with packing of preference data: write each pair's prompt once (the completions "
-                          "attend to it; same losses, fewer tokens)",
+    "data.shared_prefix": "preference data: write each pair's prompt once (the completions attend to it; same "
+                          "losses, fewer tokens): in the packed rows, or without packing one pair per row",
+    "data.bucket_step": "without packing: pad each batch to a multiple of this many tokens (0 = the next power of "
+                        "two); more shapes to compile, less padding",
     "data.shuffle": "shuffle the training order every epoch",
     "objective.name": "sft, ift, dpo, simpo, orpo, cpo, kto, reward, distill, mpo or grpo (docs/objectives.md)",
     "reference.kind": "DPO/MPO reference: model (held once; LoRA: the base) or precomputed (cached log-probs)",

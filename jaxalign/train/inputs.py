@@ -144,12 +144,13 @@ def _load(spec: RunSpec, engine, workdir: Path, staging: Path, log: Callable[[st
     pipeline = DataPipeline(sources, kind, PipelineConfig(
         batch_size=spec.train.batch_size, seed=spec.seed, shuffle=data.shuffle, weights=data.mixture_weights(),
         packing=data.packing, row_length=data.row_length, max_pairs_per_row=data.max_pairs_per_row,
-        shared_prefix=data.shared_prefix, pad_id=pad_id),
+        shared_prefix=data.shared_prefix, bucket_step=data.bucket_step, pad_id=pad_id),
         **hosts)
     eval_pipeline, eval_records = None, []
     if eval_sources:
         eval_pipeline = DataPipeline(eval_sources, kind, PipelineConfig(batch_size=spec.train.batch_size,
-                                                                        shuffle=False, pad_id=pad_id), **hosts)
+                                                                        shuffle=False, bucket_step=data.bucket_step,
+                                                                        pad_id=pad_id), **hosts)
         eval_records = [r for path in eval_paths for _, r in read_records(path, max_record_chars=data.max_record_chars)
                         if isinstance(r, dict)]
     return Inputs(pipeline, eval_pipeline, eval_records, cache)

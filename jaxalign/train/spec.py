@@ -121,6 +121,7 @@ class DataSpec:
     row_length: int = 0
     max_pairs_per_row: int = 8
     shared_prefix: bool = False
+    bucket_step: int = 0
     shuffle: bool = True
 
     def tokenize_config(self) -> TokenizeConfig:
@@ -145,6 +146,8 @@ class DataSpec:
             problems.append(f"data.eval_fraction={self.eval_fraction} must be in [0, 0.5) (0 = no held-out split)")
         if self.max_length < 2:
             problems.append(f"data.max_length={self.max_length} must be at least 2")
+        if self.bucket_step < 0:
+            problems.append(f"data.bucket_step={self.bucket_step} must be >= 0 (0 = powers of two)")
         if not any(self.train.split(",")):
             problems.append("data.train is empty: give one or more files (comma-separated) or toy:NAME")
         for field, value in (("data.train", self.train), ("data.eval", self.eval)):
@@ -170,11 +173,10 @@ class DataSpec:
         elif self.packing and getattr(run.objective.params, "samples_completions", False):
             problems.append("data.packing cannot serve objective.params.lmbda > 0 or seq_kd=True: the sampled "
                             "completions replace each row's own; set data.packing=False")
-        elif entry is not None and self.shared_prefix and not (self.packing and entry.data_kind == "preference"):
+        elif entry is not None and self.shared_prefix and not (entry.packing and entry.data_kind == "preference"):
             pairs = [n for n, o in OBJECTIVES.items() if o.packing and o.data_kind == "preference"]
-            problems.append(f"data.shared_prefix writes each pair's prompt once in packed rows: it needs "
-                            f"data.packing=True and a pair objective ({', '.join(pairs)}), not "
-                            f"{run.objective.name}{'' if self.packing else ' without packing'}")
+            problems.append(f"data.shared_prefix writes each preference pair's prompt once: it needs a pair "
+                            f"objective ({', '.join(pairs)}), not {run.objective.name}")
         elif entry is not None and self.packing:
             rows = entry.rows_per_example
             needed = self.max_length * rows
