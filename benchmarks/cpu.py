@@ -554,7 +554,8 @@ def run_extras(extras: list[str], smoke: bool, python: str | None, peak: float) 
         import grpo_cpu
 
         run, shape = (grpo_cpu.SMOKE_RUN, "tiny") if smoke else (grpo_cpu.RUN, "4x256-v4096")
-        rows = [grpo_cpu.jax_grpo(shape, run)] + ([grpo_cpu.trl_grpo(python, shape, run)] if python else [])
+        rows = [grpo_cpu.jax_grpo(shape, run), grpo_cpu.jax_grpo(shape, run, shared_prefix=True)]
+        rows += [grpo_cpu.trl_grpo(python, shape, run)] if python else []
         gflop = grpo_cpu.model_gflop(shape, run)
         out["grpo"] = {"shape": shape, "run": run, "rows": [grpo_cpu.with_mfu(row, gflop, peak) for row in rows]}
         for row in out["grpo"]["rows"]:
@@ -582,15 +583,16 @@ def extras_markdown(result: dict) -> list[str]:
         lines += ["", f"**GRPO step, {result['grpo']['shape']}** ({result['grpo']['run']['prompts']} prompts x "
                       f"{result['grpo']['run']['generations']} completions of "
                       f"{result['grpo']['run']['completion_length']} tokens)", "",
-                  "| side | step (s) | rollout (s) | train (s) | train MFU | jaxalign ÷ this |",
+                  "| side | step (s) | rollout (s) | train (s) | train MFU | speed-up over TRL |",
                   "|---|---|---|---|---|---|"]
-        ours = rows.get("jax")
-        for side, label in (("jax", "jaxalign"), ("torch", "TRL GRPOTrainer")):
+        trl = rows.get("torch")
+        for side, label in (("jax", "jaxalign"), ("jax-shared", "jaxalign, shared prefix (`shared_prefix`)"),
+                            ("torch", "TRL GRPOTrainer")):
             row = rows.get(side)
             if row is None or "step_s" not in row:
                 lines.append(f"| {label} | {row['error'][:100] if row else 'not run'} | | | | |")
                 continue
-            ratio = f"{row['step_s'] / ours['step_s']:.2f}×" if side != "jax" and ours and "step_s" in ours else ""
+            ratio = f"{trl['step_s'] / row['step_s']:.2f}×" if side != "torch" and trl and "step_s" in trl else ""
             lines.append(f"| {label} | {row['step_s']:.3f} | {row['rollout_s']:.3f} | {row['train_s']:.3f} | "
                          f"{100 * row['train_mfu']:.1f} % | {ratio} |")
     if "shared_prefix" in result:

@@ -16,7 +16,9 @@ clipping at 1.0), the reward = the share of even token ids in the completion (co
   per prompt, the KV cache shared), rewards, ``losses.group_advantages``, then the trainer's jitted step
   (``make_train_step`` with the ``grpo`` objective). Rollout = sampling through advantages (the tokens read back
   to the host); train = the step until its outputs are ready. Median over ``reps`` steps after a warm-up step
-  (the warm-up compiles).
+  (the warm-up compiles). A second jaxalign arm, "jaxalign, shared prefix", trains with
+  ``objective.params.shared_prefix`` (each group's prompt once, ``data.batching.group_rows``; the same loss and
+  gradients, tested), which TRL has no counterpart of; its speed-up is reported beside the default arm's.
 * TRL 1.16 ``GRPOTrainer`` (``benchmarks/_torch_side.py``, task ``grpo``, in the torch virtualenv of
   ``benchmarks/cpu.py``): ``trainer.train()`` for reps + 1 steps; the step is timed from ``on_step_begin`` to
   ``on_step_end``, the rollout is the time inside ``_generate_and_score_completions`` (generation, decoding,
@@ -51,6 +53,7 @@ from model_gpu import flops_per_token
 from train_step import OPTIM
 from train_step import SHAPES as STEP_SHAPES
 
+from jaxalign.data.batching import group_rows
 from jaxalign.losses import group_advantages
 from jaxalign.models import LlamaConfig, create_model
 from jaxalign.objectives import get_objective, make_params
@@ -72,14 +75,14 @@ def even_share(completions: np.ndarray) -> np.ndarray:
     return (np.asarray(completions) % 2 == 0).mean(axis=1).astype(np.float32)
 
 
-def jax_grpo(shape: str, run: dict) -> dict:
+def jax_grpo(shape: str, run: dict, shared_prefix: bool = False) -> dict:
     config = LlamaConfig(**SHAPES[shape], dtype="float32", param_dtype="float32")
     graphdef, params = nnx.split(create_model(config, seed=0))
     tx, _ = make_optimizer(OPTIM, 100)
     state = init_state(nnx.to_pure_dict(params), tx, 0, None)
     g, length = run["generations"], run["completion_length"]
     hp = make_params("grpo", {"loss_type": "dapo", "num_generations": g, "prompts_per_step": run["prompts"],
-                              "max_completion_length": length})
+                              "max_completion_length": length, "shared_prefix": shared_prefix})
     step = make_train_step(graphdef, get_objective("grpo").fn, hp, tx)
     prompts = prompt_ids(run, config.vocab_size)
     rows = len(prompts) * g
@@ -95,12 +98,14 @@ def jax_grpo(shape: str, run: dict) -> dict:
         advantages = np.asarray(group_advantages(jnp.asarray(even_share(completions)), g))
         batch = {"tokens": np.concatenate([np.repeat(prompts, g, 0), completions], 1), **fixed,
                  "advantages": advantages}
+        if shared_prefix:
+            batch.update(group_rows(batch["tokens"], batch["attention_mask"], batch["loss_mask"], g, length))
         middle = time.perf_counter()
         state, metrics = step(state, {k: jnp.asarray(v) for k, v in batch.items()})
         jax.block_until_ready((state, metrics))
         rollout_s.append(middle - start)
         train_s.append(time.perf_counter() - middle)
-    return summary_row("jax", shape, rollout_s, train_s)
+    return summary_row("jax-shared" if shared_prefix else "jax", shape, rollout_s, train_s)
 
 
 def summary_row(side: str, shape: str, rollout_s: list[float], train_s: list[float]) -> dict:
@@ -158,15 +163,16 @@ def markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for shape in result["shapes"]:
         ours = next(r for r in result["rows"] if r["shape"] == shape and r["side"] == "jax")
+        shared = next((r for r in result["rows"] if r["shape"] == shape and r["side"] == "jax-shared"), None)
         theirs = next((r for r in result["rows"] if r["shape"] == shape and r["side"] == "torch"), None)
-        for row, name in ((ours, "jaxalign"), (theirs, "TRL GRPOTrainer")):
+        for row, name in ((ours, "jaxalign"), (shared, "jaxalign, shared prefix"), (theirs, "TRL GRPOTrainer")):
             if row is None:
                 continue
             if "error" in row:
                 lines.append(f"| {shape} | {name} | error: {row['error'][:120]} | | | | | |")
                 continue
             ratio = ""
-            if name == "jaxalign" and theirs and "step_s" in theirs:
+            if name.startswith("jaxalign") and theirs and "step_s" in theirs:
                 ratio = (f"step {theirs['step_s'] / row['step_s']:.2f}x, rollout "
                          f"{theirs['rollout_s'] / row['rollout_s']:.2f}x, "
                          f"train {theirs['train_s'] / row['train_s']:.2f}x")
@@ -193,8 +199,9 @@ def main() -> None:
     python, how = (None, "skipped (--no-torch)") if args.no_torch else torch_python(args.smoke)
     rows = []
     for shape in shapes:
-        rows.append(jax_grpo(shape, run))
-        print(json.dumps(rows[-1]), flush=True)
+        for shared_prefix in (False, True):
+            rows.append(jax_grpo(shape, run, shared_prefix))
+            print(json.dumps(rows[-1]), flush=True)
         if python:
             rows.append(trl_grpo(python, shape, run))
             print(json.dumps(rows[-1]), flush=True)

@@ -54,8 +54,9 @@ def test_cpu_benchmark_smoke_writes_every_row(tmp_path):
     # the extras: bandwidth, the GRPO step, the shared-prefix rows (their losses equal the unshared ones)
     assert 0 < result["bandwidth"]["limit_gbs"] == max(result["bandwidth"]["jax_sum_read_gbs"],
                                                        result["bandwidth"]["jax_matvec_read_gbs"])
-    [grpo] = result["grpo"]["rows"]
-    assert grpo["side"] == "jax" and grpo["step_s"] == pytest.approx(grpo["rollout_s"] + grpo["train_s"], rel=0.5)
+    grpo, shared = result["grpo"]["rows"]
+    assert (grpo["side"], shared["side"]) == ("jax", "jax-shared")
+    assert grpo["step_s"] == pytest.approx(grpo["rollout_s"] + grpo["train_s"], rel=0.5)
     dpo = result["shared_prefix"]["dpo"]["sets"]["prompt-heavy"]
     assert len(dpo["rows"]) == 6 and all(r["tokens_per_s"] > 0 for r in dpo["rows"].values())
     for row in result["shared_prefix"]["grpo"]["rows"]:
@@ -73,7 +74,8 @@ def test_grpo_benchmark_smoke_runs_the_jaxalign_side():
     assert row["side"] == "jax" and row["shape"] == "tiny"
     assert row["rollout_s"] > 0 and row["train_s"] > 0
     assert row["step_s"] == pytest.approx(row["rollout_s"] + row["train_s"], rel=0.5)  # medians of each
-    assert "| tiny | jaxalign |" in done.stdout
+    assert json.loads(done.stdout.splitlines()[1])["side"] == "jax-shared"
+    assert "| tiny | jaxalign |" in done.stdout and "| tiny | jaxalign, shared prefix |" in done.stdout
 
 
 @pytest.mark.slow
