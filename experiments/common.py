@@ -92,18 +92,84 @@ def mean_std(values) -> tuple[float, float]:
     return float(values.mean()), float(values.std(ddof=1)) if len(values) > 1 else 0.0
 
 
-# two-sided 95 % quantiles of Student's t by degrees of freedom (n − 1)
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-
-
 def t_interval(values) -> tuple[float, float, float]:
     """(mean, low, high): the 95 % t confidence interval of the mean (the mean alone for one value)."""
+    from scipy import stats
+
     values = np.asarray(values, np.float64)
     mean = float(values.mean())
     if len(values) < 2:
         return mean, mean, mean
-    half = T_975.get(len(values) - 1, 1.96) * float(values.std(ddof=1)) / np.sqrt(len(values))
+    half = float(stats.t.ppf(0.975, len(values) - 1)) * float(values.std(ddof=1)) / np.sqrt(len(values))
     return mean, mean - half, mean + half
+
+
+def paired_difference(method, baseline) -> dict:
+    """``method − baseline`` per seed (same seeds, same order): the mean, its 95 % t interval and the two-sided
+    paired t-test's p-value (1.0 when every difference is equal, as with one seed)."""
+    from scipy import stats
+
+    diff = np.asarray(method, np.float64) - np.asarray(baseline, np.float64)
+    mean, low, high = t_interval(diff)
+    p = 1.0
+    if len(diff) > 1 and diff.std(ddof=1) > 0:
+        p = float(stats.ttest_rel(np.asarray(method, np.float64), np.asarray(baseline, np.float64)).pvalue)
+    return {"per_seed": diff.tolist(), "mean": mean, "low": low, "high": high, "p": p, "n": len(diff)}
+
+
+def verdict(diff: dict) -> str:
+    """For a claim "method > baseline": reproduced when the 95 % interval of the paired difference lies above 0,
+    not reproduced when it lies below 0 (the opposite holds), inconclusive when it contains 0."""
+    if diff["low"] > 0:
+        return "reproduced"
+    if diff["high"] < 0:
+        return "not reproduced"
+    return "inconclusive"
+
+
+def ci_text(values, scale: float = 1.0, digits: int = 1) -> str:
+    """``mean [low, high]`` of the 95 % t interval."""
+    mean, low, high = (scale * v for v in t_interval(values))
+    return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
+
+
+def runs_note(runs) -> str:
+    """How many training runs a study's numbers come from and their summed time (an interrupted study that is
+    started again reuses finished runs, so its own wall time can be far shorter)."""
+    runs = list(runs)
+    return f"{len(runs)} training runs, {sum(r['seconds'] for r in runs):,.0f} s of training and evaluation summed."
+
+
+def differences_table(comparisons: dict) -> str:
+    """A Markdown table of ``{name: paired_difference(...)}`` in points (scores in [0, 1])."""
+    return table(["difference", "mean, points", "95 % CI", "paired t-test p"],
+                 [[name, f"{100 * d['mean']:+.1f}", f"[{100 * d['low']:+.1f}, {100 * d['high']:+.1f}]", f"{d['p']:.3f}"]
+                  for name, d in comparisons.items()])
+
+
+def tuned_arms(arms, lrs, seeds, sweep_seeds, run_one) -> dict:
+    """The studies' tuning protocol. For each arm, ``run_one(arm, lr, seed)`` (a dict with ``validation``) runs at
+    every learning rate of ``lrs`` on ``sweep_seeds``; the rate with the best mean validation score is the arm's
+    choice, and the arm then runs at it on the rest of ``seeds`` (the sweep's runs at that rate are reused).
+    Returns ``{"sweep": {arm: {lr: [run, ...]}}, "chosen": {arm: lr}, "runs": {arm: [run per seed of seeds]}}``."""
+    sweep, chosen, runs = {}, {}, {}
+    for arm in arms:
+        sweep[arm] = {lr: [run_one(arm, lr, seed) for seed in sweep_seeds] for lr in lrs}
+        chosen[arm] = max(lrs, key=lambda lr, arm=arm: np.mean([r["validation"] for r in sweep[arm][lr]]))
+        done = dict(zip(sweep_seeds, sweep[arm][chosen[arm]], strict=True))
+        runs[arm] = [done[seed] if seed in done else run_one(arm, chosen[arm], seed) for seed in seeds]
+    return {"sweep": sweep, "chosen": chosen, "runs": runs}
+
+
+def cached_run(path: Path, fn) -> dict:
+    """``fn()``'s JSON-able result, stored at ``path``: a study interrupted and started again skips finished runs."""
+    path = Path(path)
+    if path.exists():
+        return json.loads(path.read_text())
+    result = fn()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result) + "\n")
+    return result
 
 
 def pm(values, scale: float = 1.0, digits: int = 1) -> str:

@@ -1,94 +1,161 @@
-"""SFT vs IFT on toy arithmetic: held-out exact-match accuracy and calibration, same model, data, steps and seed.
+"""SFT vs IFT on toy arithmetic, from a shared pretrained start: held-out exact match, tuned arms, 5 seeds.
 
-A tiny Llama (4 layers × 128, toy byte tokenizer) learns "What is a ± b?" → the number. IFT uses the bundled
-default's settings (λ warming up linearly from 0 to 0.2 over the first 20 % of steps, γ = 0.95); SFT is the same
-run with the plain token-mean NLL. Calibration: the greedy answer's sequence probability as the confidence,
-expected calibration error (10 bins) and Brier score against correctness.
+The IFT paper's claim (Hua et al., ACL 2025): fine-tuning a pretrained model with IFT's temporal-residual inputs and
+relation-propagation weights beats SFT on the same data and steps. Here both arms fine-tune the shared pretrained
+start (``experiments/pretrained.py``: a tiny Llama pretrained on raw toy transcripts, never the chat format, never
+a validation or test question) on the same chat records ("What is 12 + 7?" -> "19", questions of the "train"
+pool), for the same steps and batch, with the same per-sequence loss averaging (IFT's; ``normalization="sequence"``
+for SFT too).
+
+Arms:
+* ``sft``: the plain NLL, every parameter trained.
+* ``ift``: the official code's settings, λ = 0.2 constant, γ = 0.95, the input-embedding table frozen
+  (``embedding_grad="none"``: the official code feeds the policy embeddings from a frozen copy of its table, which
+  suits a pretrained table, the paper's regime).
+* ``ift_zero``: the ablation, IFT with λ = γ = 0: IFT's code path and its frozen input table with no IFT
+  ingredient on. ``ift`` − ``ift_zero`` is the effect of λ and γ alone; ``ift_zero`` − ``sft`` the effect of
+  freezing the input table.
+
+Protocol: each arm's learning rate is picked from ``LRS`` by mean exact match on the validation pool over the first
+two seeds; then every seed runs at the chosen rate. Reported: exact match on the whole test pool (greedy, 8 new
+tokens), mean with the 95 % t interval over seeds, and the paired difference IFT − SFT with its interval, paired
+t-test and verdict. ``--full`` trains 3x the steps.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from common import (
+    cached_run,
+    ci_text,
     command_line,
-    expected_calibration_error,
+    differences_table,
+    paired_difference,
     parser,
-    pm,
-    seeds_of,
+    runs_note,
     table,
     toy_config,
-    train_model,
+    tuned_arms,
+    verdict,
     workdir_of,
     write,
 )
+from pretrained import pretrained_start
 
 from jaxalign.data.sater import numeric_verifier
-from jaxalign.data.toy import arithmetic, write_jsonl
+from jaxalign.data.toy import arithmetic, arithmetic_pool, write_jsonl
 from jaxalign.sampling.routing import answer
+from jaxalign.train import train
+from jaxalign.train.export import restore_model
 
 STUDY = "sft_vs_ift"
-METHODS = ("sft", "ift")
+ARMS = {
+    "sft": ("sft", {"normalization": "sequence"}),
+    "ift": ("ift", {"max_lambda": 0.2, "lambda_schedule": "constant", "gamma": 0.95, "embedding_grad": "none"}),
+    "ift_zero": ("ift", {"max_lambda": 0.0, "lambda_schedule": "constant", "gamma": 0.0, "embedding_grad": "none"}),
+}
+COMPARISONS = {"ift − sft": ("ift", "sft"), "ift − ift_zero (λ, γ alone)": ("ift", "ift_zero"),
+               "ift_zero − sft (frozen input table)": ("ift_zero", "sft")}
+LABELS = {"sft": "SFT", "ift": "IFT (λ 0.2, γ 0.95)", "ift_zero": "IFT ablation (λ = γ = 0)"}
+LRS = (3e-4, 1e-3, 3e-3)
 
 
-def evaluate(model, tokenizer, records) -> dict:
+def exact_match(model, tokenizer, records) -> float:
     questions = [r["messages"][0]["content"] for r in records]
     out = answer(model, tokenizer, questions, max_new_tokens=8)
-    correct = np.array([numeric_verifier(t[0], r["answer"]) for t, r in zip(out.texts, records, strict=True)])
-    confidence = np.array([c[0] ** n[0] for c, n in zip(out.confidence, out.n_tokens, strict=True)])
-    return {"accuracy": float(correct.mean()), "ece": expected_calibration_error(confidence, correct),
-            "brier": float(((confidence - correct) ** 2).mean()), "mean_confidence": float(confidence.mean())}
+    return float(np.mean([numeric_verifier(t[0], r["answer"]) for t, r in zip(out.texts, records, strict=True)]))
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    args = parser(__doc__).parse_args(argv)
+    p = parser(__doc__)
+    p.add_argument("--full", action="store_true", help="3x the fine-tuning steps")
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of the arms (finished runs are "
+                   "kept, so two processes may each run some arms and a last call with every arm reports)")
+    args = p.parse_args(argv)
+    arms = {arm: ARMS[arm] for arm in args.arms.split(",")}
     started = time.time()
-    sizes = (dict(train=200, eval=16, steps=4, shape="smoke") if args.smoke
-             else dict(train=4000, eval=200, steps=800, shape="tiny"))
-    seeds = seeds_of(args, (0, 1))
+    if args.smoke:
+        sizes = dict(shape="smoke", train=200, steps=4, lrs=(1e-3, 3e-3), validation=16, test=16)
+    else:
+        sizes = dict(shape="tiny", train=4000, steps=600 if args.full else 200, lrs=LRS, validation=0, test=0)
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else ([0, 1] if args.smoke else [0, 1, 2, 3, 4])
+    start = pretrained_start(sizes["shape"])
     root = workdir_of(args, STUDY)
-    per_seed = []
-    for seed in seeds:
-        held = arithmetic(sizes["eval"], 10_000 + seed)
-        held_q = {r["messages"][0]["content"] for r in held}
-        train_records = [r for r in arithmetic(sizes["train"], seed) if r["messages"][0]["content"] not in held_q]
-        path = write_jsonl(train_records, root / f"seed{seed}" / "train.jsonl")
-        row = {"seed": seed}
-        for method in METHODS:
-            params = ({"max_lambda": 0.2, "min_lambda": 0.0, "lambda_schedule": "linear",
-                       "warmup_steps": sizes["steps"] // 5, "gamma": 0.95} if method == "ift" else {})
-            config = toy_config(root / f"seed{seed}" / method, path, objective=method, steps=sizes["steps"],
-                                shape=sizes["shape"], seed=seed, params=params)
-            model, tokenizer, summary = train_model(config)
-            row[method] = {**evaluate(model, tokenizer, held), "train_seconds": summary["seconds"]}
-        per_seed.append(row)
-    rows = [[m.upper(), pm([s[m]["accuracy"] for s in per_seed], 100), pm([s[m]["ece"] for s in per_seed], 1, 3),
-             pm([s[m]["brier"] for s in per_seed], 1, 3), pm([s[m]["train_seconds"] for s in per_seed], 1, 0)]
-            for m in METHODS]
-    markdown = table(["objective", "held-out accuracy %", "ECE", "Brier", "training s"], rows)
-    markdown += (f"\n\nSeeds: {', '.join(map(str, seeds))}; {sizes['steps']} steps of batch 32; {sizes['eval']} "
-                 "held-out questions.")
-    results = {"sizes": sizes, "seeds": seeds, "per_seed": per_seed}
+    validation = arithmetic_pool("validation")[: sizes["validation"] or None]
+    test = arithmetic_pool("test")[: sizes["test"] or None]
+
+    def run_one(arm: str, lr: float, seed: int) -> dict:
+        workdir = root / f"seed{seed}" / arm / f"lr{lr:g}"
+
+        def fit() -> dict:
+            data = write_jsonl(arithmetic(sizes["train"], seed, pool="train"), root / f"seed{seed}" / "train.jsonl")
+            objective, params = ARMS[arm]
+            config = toy_config(workdir, data, objective=objective, steps=sizes["steps"], seed=seed, lr=lr,
+                                params=params, shape=sizes["shape"])
+            config.model.path = str(start)
+            config.tokenizer = ""  # the start's own (the toy tokenizer, exported with it)
+            begun = time.time()
+            train(config)
+            model, tokenizer, _ = restore_model(workdir)
+            return {"arm": arm, "lr": lr, "seed": seed, "validation": exact_match(model, tokenizer, validation),
+                    "test": exact_match(model, tokenizer, test), "seconds": round(time.time() - begun, 1)}
+
+        return cached_run(workdir / "result.json", fit)
+
+    tuned = tuned_arms(arms, sizes["lrs"], seeds, seeds[:2], run_one)
+    tests = {arm: [r["test"] for r in tuned["runs"][arm]] for arm in arms}
+    comparisons = {name: paired_difference(tests[a], tests[b]) for name, (a, b) in COMPARISONS.items()
+                   if a in arms and b in arms}
+    results = {"sizes": {**sizes, "lrs": list(sizes["lrs"]), "validation": len(validation), "test": len(test)},
+               "seeds": seeds, "start": start.name, "chosen": tuned["chosen"],
+               "sweep": {arm: {f"{lr:g}": [r["validation"] for r in runs] for lr, runs in sweep.items()}
+                         for arm, sweep in tuned["sweep"].items()},
+               "runs": tuned["runs"], "comparisons": comparisons,
+               "all_runs": list({(r["arm"], r["lr"], r["seed"]): r for arm in arms for r in
+                                 [*(r for runs in tuned["sweep"][arm].values() for r in runs), *tuned["runs"][arm]]
+                                 }.values()),
+               "verdict": verdict(comparisons["ift − sft"]) if "ift − sft" in comparisons else None}
+    markdown = _markdown(results)
     write(args.out, STUDY, command=command_line(STUDY, argv), results=results, markdown=markdown, started=started)
-    _plot(per_seed, f"{args.out}/{STUDY}.png")
+    _plot(results, Path(args.out) / f"{STUDY}.png")
     return results
 
 
-def _plot(per_seed, path):
+def _markdown(results: dict) -> str:
+    sizes = results["sizes"]
+    sweep = table(["arm", *[f"lr {lr:g}" for lr in sizes["lrs"]], "chosen"],
+                  [[LABELS[arm], *[f"{100 * np.mean(results['sweep'][arm][f'{lr:g}']):.1f}" for lr in sizes["lrs"]],
+                    f"{results['chosen'][arm]:g}"] for arm in results["chosen"]])
+    main = table(["arm", "learning rate", "test exact match, % (95 % CI)", "per seed, %"],
+                 [[LABELS[arm], f"{results['chosen'][arm]:g}", ci_text([r["test"] for r in results["runs"][arm]], 100),
+                   ", ".join(f"{100 * r['test']:.1f}" for r in results["runs"][arm])] for arm in results["runs"]])
+    diffs = differences_table(results["comparisons"])
+    return (f"Learning-rate sweep (validation exact match %, mean of seeds {results['seeds'][:2]}, "
+            f"{sizes['validation']} questions):\n\n{sweep}\n\nTest pool ({sizes['test']} questions), seeds "
+            f"{', '.join(map(str, results['seeds']))}, {sizes['steps']} steps of batch 32 from the pretrained start "
+            f"`{results['start']}`:\n\n{main}\n\n{diffs}\n\n"
+            f"Verdict (IFT > SFT): **{results['verdict'] or 'not run'}**.\n\n"
+            + runs_note(results["all_runs"]))
+
+
+def _plot(results: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(6, 3))
-    for ax, key, label in ((axes[0], "accuracy", "held-out accuracy"), (axes[1], "ece", "calibration error")):
-        values = [[s[m][key] for s in per_seed] for m in METHODS]
-        ax.bar([m.upper() for m in METHODS], [np.mean(v) for v in values], yerr=[np.std(v) for v in values],
-               color=["#999", "#3a7"])
-        ax.set_title(label, fontsize=9)
+    fig, ax = plt.subplots(figsize=(5, 3))
+    for i, arm in enumerate(results["runs"]):
+        values = np.array([r["test"] for r in results["runs"][arm]]) * 100
+        ax.scatter(np.full(len(values), i) + np.linspace(-0.1, 0.1, len(values)), values, s=12, color="#3a7")
+        ax.errorbar(i + 0.25, values.mean(), yerr=values.std(ddof=1) if len(values) > 1 else 0, fmt="o", color="k")
+    ax.set_xticks(range(len(results["runs"])), [LABELS[a] for a in results["runs"]], fontsize=7)
+    ax.set_ylabel("test exact match, %")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

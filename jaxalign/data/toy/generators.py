@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import string
@@ -17,14 +18,55 @@ from pathlib import Path
 import numpy as np
 
 ANSWER_STYLES = ("short", "verbose", "mixed")
+# Fixed pools of the arithmetic question space, by a hash of the operation: the studies draw their training data
+# from "train", tune on "validation" and report on "test"; the shared pretrained start sees "train" only
+POOLS = ("all", "train", "validation", "test")
+_POOL_SHARES = (("test", 30), ("validation", 15))  # percent of the question space; the rest is "train"
 TASKS = ("add", "sub", "reverse", "copy")
 _CIPHER_SEED = 20250531
 
 
-def _question(rng: np.random.Generator, max_operand: int, ops: str) -> tuple[str, int]:
-    a, b = (int(x) for x in rng.integers(0, max_operand + 1, 2))
-    op = ops[int(rng.integers(len(ops)))]
+def pool_of(a: int, op: str, b: int) -> str:
+    """The fixed pool ("train", "validation" or "test") of the operation ``a op b``, whatever its wording."""
+    bucket = int.from_bytes(hashlib.sha256(f"{a}{op}{b}".encode()).digest()[:4], "big") % 100
+    for pool, share in _POOL_SHARES:
+        if bucket < share:
+            return pool
+        bucket -= share
+    return "train"
+
+
+def _check_pool(pool: str) -> None:
+    if pool not in POOLS:
+        raise ValueError(f"pool={pool!r}; expected one of {POOLS}")
+
+
+def _operands(rng: np.random.Generator, max_operand: int, ops: str, pool: str) -> tuple[int, str, int]:
+    while True:  # rejection sampling: the same draws as before for pool="all"
+        a, b = (int(x) for x in rng.integers(0, max_operand + 1, 2))
+        op = ops[int(rng.integers(len(ops)))]
+        if pool == "all" or pool_of(a, op, b) == pool:
+            return a, op, b
+
+
+def _question(rng: np.random.Generator, max_operand: int, ops: str, pool: str = "all") -> tuple[str, int]:
+    a, op, b = _operands(rng, max_operand, ops, pool)
     return f"What is {a} {op} {b}?", a + b if op == "+" else a - b
+
+
+def arithmetic_pool(pool: str, *, max_operand: int = 20, ops: str = "+-") -> list[dict]:
+    """Every question of ``pool`` once (short answers), in a fixed order: a study's whole test or validation set."""
+    _check_pool(pool)
+    records = []
+    for a in range(max_operand + 1):
+        for b in range(max_operand + 1):
+            for op in ops:
+                if pool == "all" or pool_of(a, op, b) == pool:
+                    answer = a + b if op == "+" else a - b
+                    records.append({"messages": [{"role": "user", "content": f"What is {a} {op} {b}?"},
+                                                 {"role": "assistant", "content": str(answer)}],
+                                    "answer": str(answer)})
+    return records
 
 
 def answer_text(question: str, answer: int, style: str) -> str:
@@ -36,17 +78,19 @@ def answer_text(question: str, answer: int, style: str) -> str:
 
 
 def arithmetic(n: int, seed: int = 0, *, style: str = "short", max_operand: int = 20, ops: str = "+-",
-               fmt: str = "messages") -> list[dict]:
+               fmt: str = "messages", pool: str = "all") -> list[dict]:
     """Chat SFT records; each has ``answer`` (the number, as text) for exact-match evaluation.
 
-    ``fmt``: ``messages`` or ``prompt_completion`` (conversational prompt/completion).
+    ``fmt``: ``messages`` or ``prompt_completion`` (conversational prompt/completion). ``pool``: draw only
+    questions of that fixed pool (``pool_of``); ``all`` draws from the whole question space.
     """
     if style not in ANSWER_STYLES:
         raise ValueError(f"style={style!r}; expected one of {ANSWER_STYLES}")
+    _check_pool(pool)
     rng = np.random.default_rng([seed, 1])
     records = []
     for i in range(n):
-        question, answer = _question(rng, max_operand, ops)
+        question, answer = _question(rng, max_operand, ops, pool)
         chosen_style = style if style != "mixed" else ("short", "verbose")[i % 2]
         user = {"role": "user", "content": question}
         assistant = {"role": "assistant", "content": answer_text(question, answer, chosen_style)}
