@@ -29,6 +29,7 @@ from common import (
     paired_difference,
     parser,
     runs_note,
+    seeds_of,
     table,
     workdir_of,
     write,
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--arms", default="default,sft", help="comma-separated arms (also default_frozen_table)")
     args = p.parse_args(argv)
     started = time.time()
-    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else ([0, 1] if args.smoke else [0, 1, 2])
+    seeds = seeds_of(args, (0, 1, 2), smoke=(0, 1))
     arms = args.arms.split(",")
     root = workdir_of(args, STUDY)
 

@@ -37,6 +37,7 @@ from common import (
     paired_difference,
     parser,
     runs_note,
+    seeds_of,
     table,
     toy_config,
     tuned_arms,
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
         sizes = dict(shape="smoke", train=200, steps=4, lrs=(1e-3, 3e-3), validation=16, test=16)
     else:
         sizes = dict(shape="tiny", train=4000, steps=600 if args.full else 200, lrs=LRS, validation=0, test=0)
-    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else ([0, 1] if args.smoke else [0, 1, 2, 3, 4])
+    seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
     start = pretrained_start(sizes["shape"])
     root = workdir_of(args, STUDY)
     validation = arithmetic_pool("validation")[: sizes["validation"] or None]
