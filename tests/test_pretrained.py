@@ -37,6 +37,9 @@ def test_pools_split_the_question_space_once():
     assert arithmetic(50, 7) == arithmetic(50, 7, pool="all")  # the whole space draws as before
     with pytest.raises(ValueError, match="pool="):
         arithmetic(1, pool="held-out")
+    empty = next(p for p in ("train", "validation", "test") if pool_of(0, "+", 0) != p)
+    with pytest.raises(ValueError, match="holds no question"):  # no endless rejection sampling
+        arithmetic(1, pool=empty, max_operand=0, ops="+")
 
 
 def test_the_corpus_never_holds_a_validation_or_test_operation(pretrained):

@@ -87,6 +87,8 @@ def arithmetic(n: int, seed: int = 0, *, style: str = "short", max_operand: int 
     if style not in ANSWER_STYLES:
         raise ValueError(f"style={style!r}; expected one of {ANSWER_STYLES}")
     _check_pool(pool)
+    if pool != "all" and n > 0 and not arithmetic_pool(pool, max_operand=max_operand, ops=ops):
+        raise ValueError(f"pool={pool!r} holds no question with max_operand={max_operand}, ops={ops!r}")
     rng = np.random.default_rng([seed, 1])
     records = []
     for i in range(n):
