@@ -37,6 +37,15 @@ def test_bundled_configs_load_and_validate():
     assert load_config("default").objective.name == "ift"
 
 
+def test_the_default_job_trains_its_input_table_only_from_random_weights(capsys):
+    assert load_config("default").objective.params.embedding_grad == "ground_truth"
+    assert load_config("default:smollm2").objective.params.embedding_grad == "none"
+    assert load_config("default", ["model.path=/models/m"]).objective.params.embedding_grad == "none"
+    assert "objective.params.embedding_grad='none'" in capsys.readouterr().out  # said on the console
+    chosen = load_config("default", ["model.path=/models/m", "objective.params.embedding_grad=ground_truth"])
+    assert chosen.objective.params.embedding_grad == "ground_truth"  # the user's choice stands
+
+
 def test_overrides_are_typed_and_checked():
     config = load_config("dpo", ["--config.optim.lr=1e-5", "--config.train.steps=7", "--config.data.shuffle=false",
                                  "--config.objective.params.beta=0.3", "--config.objective.params.loss_type=ipo"])

@@ -5,7 +5,8 @@ once the model's own guesses mean something; held-out exact-match accuracy is pr
 
 The model starts from random weights, so its input-embedding table learns (``embedding_grad="ground_truth"``; with
 λ = γ = 0 this is SFT exactly). The official code's frozen input table (``"none"``) suits a pretrained table and
-kept this job's inputs at their random values. Measured over 3 seeds the two score the same, and both trail SFT
+kept this job's inputs at their random values; pointed at a pretrained model (``model.path``, a model preset) the
+job goes back to it. Measured over 3 seeds the two score the same, and both trail SFT
 at equal steps (``experiments/default_job.py``, docs/results.md "The default job").
 """
 

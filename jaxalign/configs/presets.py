@@ -16,10 +16,19 @@ def tiny(config):
     return config
 
 
+def frozen_pretrained_table(config):
+    """IFT on a pretrained model keeps the input-embedding table frozen, as the official code does; only the default
+    job, which starts from random weights, trains it (``embedding_grad="ground_truth"``)."""
+    if config.objective.name == "ift" and "embedding_grad" in config.objective.params:
+        config.objective.params.embedding_grad = "none"
+    return config
+
+
 def smollm2(config):
     path = bundled_smollm2()
     config.model.path = str(path) if path else ""
     config.tokenizer = ""
+    frozen_pretrained_table(config)
     config.data.max_length = 256
     config.train.batch_size = 8
     config.optim.lr = 1e-5
@@ -31,6 +40,7 @@ def _large(config, path_hint: str, architecture: str):
     config.model.path = path_hint
     config.model.preset = architecture  # `jaxalign plan` knows its shape without the weights
     config.tokenizer = ""
+    frozen_pretrained_table(config)
     config.model.dtype = "bfloat16"
     config.model.param_dtype = "float32"
     config.model.remat = True
@@ -99,6 +109,8 @@ def for_pretrained(config, user_fields: set[str]) -> list[str]:
     changes = {"tokenizer": "", "optim.lr": PRETRAINED_LR.get(name, 1e-6), **PRETRAINED_FIELDS}
     if name in ("dpo", "simpo", "orpo", "cpo", "mpo", "reward"):
         changes["data.max_prompt_length"] = PREFERENCE_PROMPT_LENGTH
+    if name == "ift" and "embedding_grad" in config.objective.params:
+        changes["objective.params.embedding_grad"] = "none"  # a pretrained input table stays frozen
     if name == "grpo":
         changes.update(PRETRAINED_GRPO)
         params = config.objective.params
