@@ -151,14 +151,24 @@ def tuned_arms(arms, lrs, seeds, sweep_seeds, run_one) -> dict:
     """The studies' tuning protocol. For each arm, ``run_one(arm, lr, seed)`` (a dict with ``validation``) runs at
     every learning rate of ``lrs`` on ``sweep_seeds``; the rate with the best mean validation score is the arm's
     choice, and the arm then runs at it on the rest of ``seeds`` (the sweep's runs at that rate are reused).
-    Returns ``{"sweep": {arm: {lr: [run, ...]}}, "chosen": {arm: lr}, "runs": {arm: [run per seed of seeds]}}``."""
-    sweep, chosen, runs = {}, {}, {}
+    Returns ``{"sweep": {arm: {lr: [run, ...]}}, "chosen": {arm: lr}, "runs": {arm: [run per seed of seeds]},
+    "every": [each run once]}``."""
+    sweep, chosen, runs, every = {}, {}, {}, []
+    run_one = _recording(run_one, every)
     for arm in arms:
         sweep[arm] = {lr: [run_one(arm, lr, seed) for seed in sweep_seeds] for lr in lrs}
         chosen[arm] = max(lrs, key=lambda lr, arm=arm: np.mean([r["validation"] for r in sweep[arm][lr]]))
         done = dict(zip(sweep_seeds, sweep[arm][chosen[arm]], strict=True))
         runs[arm] = [done[seed] if seed in done else run_one(arm, chosen[arm], seed) for seed in seeds]
-    return {"sweep": sweep, "chosen": chosen, "runs": runs}
+    return {"sweep": sweep, "chosen": chosen, "runs": runs, "every": every}
+
+
+def _recording(run_one, every: list):
+    def run(*args):
+        every.append(run_one(*args))
+        return every[-1]
+
+    return run
 
 
 def cached_run(path: Path, fn) -> dict:

@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
         workdir = root / f"seed{seed}" / arm / f"lr{lr:g}"
 
         def fit() -> dict:
-            data = write_jsonl(arithmetic(sizes["train"], seed, pool="train"), root / f"seed{seed}" / "train.jsonl")
+            data = root / f"seed{seed}" / "train.jsonl"  # one file per seed, shared by its arms and rates
+            if not data.exists():
+                write_jsonl(arithmetic(sizes["train"], seed, pool="train"), data)
             objective, params = ARMS[arm]
             config = toy_config(workdir, data, objective=objective, steps=sizes["steps"], seed=seed, lr=lr,
                                 params=params, shape=sizes["shape"])
@@ -117,9 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
                "sweep": {arm: {f"{lr:g}": [r["validation"] for r in runs] for lr, runs in sweep.items()}
                          for arm, sweep in tuned["sweep"].items()},
                "runs": tuned["runs"], "comparisons": comparisons,
-               "all_runs": list({(r["arm"], r["lr"], r["seed"]): r for arm in arms for r in
-                                 [*(r for runs in tuned["sweep"][arm].values() for r in runs), *tuned["runs"][arm]]
-                                 }.values()),
+               "all_runs": tuned["every"],
                "verdict": verdict(comparisons["ift − sft"]) if "ift − sft" in comparisons else None}
     markdown = _markdown(results)
     write(args.out, STUDY, command=command_line(STUDY, argv), results=results, markdown=markdown, started=started)
