@@ -140,11 +140,17 @@ def runs_note(runs) -> str:
     return f"{len(runs)} training runs, {sum(r['seconds'] for r in runs):,.0f} s of training and evaluation summed."
 
 
-def differences_table(comparisons: dict) -> str:
-    """A Markdown table of ``{name: paired_difference(...)}`` in points (scores in [0, 1])."""
-    return table(["difference", "mean, points", "95 % CI", "paired t-test p"],
-                 [[name, f"{100 * d['mean']:+.1f}", f"[{100 * d['low']:+.1f}, {100 * d['high']:+.1f}]", f"{d['p']:.3f}"]
-                  for name, d in comparisons.items()])
+def differences_table(comparisons: dict, *, scale: float = 100.0, digits: int = 1, unit: str = "points",
+                      verdicts: bool = False) -> str:
+    """A Markdown table of ``{name: paired_difference(...)}``, by default in points (scores in [0, 1]); with
+    ``verdicts`` a last column gives each row's ``verdict``."""
+    def row(name, d):
+        cells = [name, f"{scale * d['mean']:+.{digits}f}", f"[{scale * d['low']:+.{digits}f}, {scale * d['high']:+.{digits}f}]",
+                 f"{d['p']:.3f}"]
+        return cells + [verdict(d)] if verdicts else cells
+
+    return table(["difference", f"mean, {unit}", "95 % CI", "paired t-test p", *(["verdict"] if verdicts else [])],
+                 [row(name, d) for name, d in comparisons.items()])
 
 
 def tuned_arms(arms, lrs, seeds, sweep_seeds, run_one) -> dict:

@@ -8,6 +8,9 @@ bundled config with only the seed changed:
 * ``default``: ``jaxalign train`` (``--config default``).
 * ``sft``: ``jaxalign train --config sft`` at the default job's steps and evaluation (same lr, schedule, batch, data).
 * ``default_frozen_table`` (``--arms``): the default job with ``embedding_grad="none"``, as it was before.
+* ``default_zero`` (``--arms``): the default job with λ = γ = 0, which is SFT averaged per sequence (IFT's
+  averaging): ``default`` − ``default_zero`` is the effect of λ and γ, ``default_zero`` − ``sft`` that of averaging.
+* ``default_token`` (``--arms``): the default job averaged per token, as ``--config sft`` is.
 
 Metric: the job's own closing evaluation, exact match on its 200 held-out questions (greedy, 8 new tokens).
 Reported: mean with the 95 % t interval over seeds and the paired difference default − SFT. No learning rate is
@@ -40,7 +43,9 @@ from jaxalign.train import train
 
 STUDY = "default_job"
 LABELS = {"default": "`jaxalign train` (IFT, input table trained)", "sft": "`--config sft`, same steps",
-          "default_frozen_table": "IFT, frozen input table (the old default)"}
+          "default_frozen_table": "IFT, frozen input table (the old default)",
+          "default_zero": "the default job at λ = γ = 0 (SFT averaged per sequence)",
+          "default_token": "the default job averaged per token"}
 
 
 def config_of(arm: str, seed: int, workdir: Path, smoke: bool):
@@ -51,6 +56,10 @@ def config_of(arm: str, seed: int, workdir: Path, smoke: bool):
         config.train.update(steps=steps, eval_every=evals, save_every=evals)
     if arm == "default_frozen_table":
         config.objective.params.embedding_grad = "none"
+    if arm == "default_zero":
+        config.objective.params.update(max_lambda=0.0, min_lambda=0.0, gamma=0.0)
+    if arm == "default_token":
+        config.objective.params.normalization = "token"
     config.seed = seed
     config.workdir = str(workdir)
     config.train.resume = False
@@ -65,7 +74,7 @@ def config_of(arm: str, seed: int, workdir: Path, smoke: bool):
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     p = parser(__doc__)
-    p.add_argument("--arms", default="default,sft", help="comma-separated arms (also default_frozen_table)")
+    p.add_argument("--arms", default="default,sft", help="comma-separated arms (also default_frozen_table, default_zero, default_token)")
     args = p.parse_args(argv)
     started = time.time()
     seeds = seeds_of(args, (0, 1, 2), smoke=(0, 1))
