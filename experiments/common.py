@@ -145,9 +145,9 @@ def differences_table(comparisons: dict, *, scale: float = 100.0, digits: int = 
     """A Markdown table of ``{name: paired_difference(...)}``, by default in points (scores in [0, 1]); with
     ``verdicts`` a last column gives each row's ``verdict``."""
     def row(name, d):
-        cells = [name, f"{scale * d['mean']:+.{digits}f}", f"[{scale * d['low']:+.{digits}f}, {scale * d['high']:+.{digits}f}]",
-                 f"{d['p']:.3f}"]
-        return cells + [verdict(d)] if verdicts else cells
+        low, high = (f"{scale * d[k]:+.{digits}f}" for k in ("low", "high"))
+        cells = [name, f"{scale * d['mean']:+.{digits}f}", f"[{low}, {high}]", f"{d['p']:.3f}"]
+        return [*cells, verdict(d)] if verdicts else cells
 
     return table(["difference", f"mean, {unit}", "95 % CI", "paired t-test p", *(["verdict"] if verdicts else [])],
                  [row(name, d) for name, d in comparisons.items()])

@@ -74,7 +74,8 @@ def config_of(arm: str, seed: int, workdir: Path, smoke: bool):
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     p = parser(__doc__)
-    p.add_argument("--arms", default="default,sft", help="comma-separated arms (also default_frozen_table, default_zero, default_token)")
+    p.add_argument("--arms", default="default,sft", help="comma-separated arms (also "
+                   "default_frozen_table, default_zero, default_token)")
     args = p.parse_args(argv)
     started = time.time()
     seeds = seeds_of(args, (0, 1, 2), smoke=(0, 1))

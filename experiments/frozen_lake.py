@@ -327,7 +327,8 @@ def main(argv: list[str] | None = None) -> dict:
         sweep = {m: {lr: [run(m, lr, seed)["mse"] for seed in tuning_seeds] for lr in lrs} for m in METHODS}
         chosen = {m: min(lrs, key=lambda lr, m=m: float(np.mean(sweep[m][lr]))) for m in METHODS}
         runs = {m: [run(m, chosen[m], seed) for seed in seeds] for m in METHODS}
-        runs["start"] = [evaluate(lake, settings[seed]["start"], target, settings[seed]["data_states"]) for seed in seeds]
+        runs["start"] = [evaluate(lake, settings[seed]["start"], target, settings[seed]["data_states"])
+                         for seed in seeds]
         comparisons = {}
         for metric in ("mse", "mse_data"):
             for better, worse in CLAIMS:
