@@ -11,6 +11,8 @@ bundled config with only the seed changed:
 * ``default_zero`` (``--arms``): the default job with λ = γ = 0, which is SFT averaged per sequence (IFT's
   averaging): ``default`` − ``default_zero`` is the effect of λ and γ, ``default_zero`` − ``sft`` that of averaging.
 * ``default_token`` (``--arms``): the default job averaged per token, as ``--config sft`` is.
+* ``default_lambda_only`` and ``default_gamma_only`` (``--arms``): the default job with γ = 0 (λ's temporal-residual
+  mixing alone) and with λ = 0 (γ's relation-propagation weights alone).
 
 Metric: the job's own closing evaluation, exact match on its 200 held-out questions (greedy, 8 new tokens).
 Reported: mean with the 95 % t interval over seeds and the paired difference default − SFT. No learning rate is
@@ -45,7 +47,9 @@ STUDY = "default_job"
 LABELS = {"default": "`jaxalign train` (IFT, input table trained)", "sft": "`--config sft`, same steps",
           "default_frozen_table": "IFT, frozen input table (the old default)",
           "default_zero": "the default job at λ = γ = 0 (SFT averaged per sequence)",
-          "default_token": "the default job averaged per token"}
+          "default_token": "the default job averaged per token",
+          "default_lambda_only": "the default job at γ = 0 (λ's mixing alone)",
+          "default_gamma_only": "the default job at λ = 0 (γ's weights alone)"}
 
 
 def config_of(arm: str, seed: int, workdir: Path, smoke: bool):
@@ -60,6 +64,10 @@ def config_of(arm: str, seed: int, workdir: Path, smoke: bool):
         config.objective.params.update(max_lambda=0.0, min_lambda=0.0, gamma=0.0)
     if arm == "default_token":
         config.objective.params.normalization = "token"
+    if arm == "default_lambda_only":
+        config.objective.params.gamma = 0.0
+    if arm == "default_gamma_only":
+        config.objective.params.update(max_lambda=0.0, min_lambda=0.0)
     config.seed = seed
     config.workdir = str(workdir)
     config.train.resume = False
@@ -75,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     p = parser(__doc__)
     p.add_argument("--arms", default="default,sft", help="comma-separated arms (also "
-                   "default_frozen_table, default_zero, default_token)")
+                   "default_frozen_table, default_zero, default_token, default_lambda_only, default_gamma_only)")
     args = p.parse_args(argv)
     started = time.time()
     seeds = seeds_of(args, (0, 1, 2), smoke=(0, 1))

@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jaxalign.data.toy import POOLS, arithmetic, arithmetic_pool, multitask, pool_of
+from jaxalign.data.toy import (
+    POOLS,
+    arithmetic,
+    arithmetic_pool,
+    arithmetic_preferences,
+    mpo_records,
+    multitask,
+    pool_of,
+)
 
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 
@@ -35,6 +43,13 @@ def test_pools_split_the_question_space_once():
         assert {r["messages"][0]["content"] for r in drawn} <= set(questions[pool])
         assert all(int(r["answer"]) == eval(r["messages"][0]["content"][8:-1]) for r in drawn)
     assert arithmetic(50, 7) == arithmetic(50, 7, pool="all")  # the whole space draws as before
+    for make, key in ((arithmetic_preferences, lambda r: r["prompt"][0]["content"]),
+                      (mpo_records, lambda r: r["source_conversations"][0]["value"])):
+        assert make(40, 5) == make(40, 5, pool="all")
+        for pool in ("train", "test"):
+            assert {key(r) for r in make(200, 5, pool=pool)} <= set(questions[pool])
+        with pytest.raises(ValueError, match="pool="):
+            make(1, pool="held-out")
     with pytest.raises(ValueError, match="pool="):
         arithmetic(1, pool="held-out")
     empty = next(p for p in ("train", "validation", "test") if pool_of(0, "+", 0) != p)

@@ -86,9 +86,7 @@ def arithmetic(n: int, seed: int = 0, *, style: str = "short", max_operand: int 
     """
     if style not in ANSWER_STYLES:
         raise ValueError(f"style={style!r}; expected one of {ANSWER_STYLES}")
-    _check_pool(pool)
-    if pool != "all" and n > 0 and not arithmetic_pool(pool, max_operand=max_operand, ops=ops):
-        raise ValueError(f"pool={pool!r} holds no question with max_operand={max_operand}, ops={ops!r}")
+    _pool_checked(pool, n, max_operand, ops)
     rng = np.random.default_rng([seed, 1])
     records = []
     for i in range(n):
@@ -106,12 +104,21 @@ def arithmetic(n: int, seed: int = 0, *, style: str = "short", max_operand: int 
     return records
 
 
-def arithmetic_preferences(n: int, seed: int = 0, *, max_operand: int = 20, ops: str = "+-") -> list[dict]:
-    """Preference records: chosen = correct short answer, rejected = an off-by-one (or off-by-ten) answer."""
+def _pool_checked(pool: str, n: int, max_operand: int, ops: str) -> None:
+    _check_pool(pool)
+    if pool != "all" and n > 0 and not arithmetic_pool(pool, max_operand=max_operand, ops=ops):
+        raise ValueError(f"pool={pool!r} holds no question with max_operand={max_operand}, ops={ops!r}")
+
+
+def arithmetic_preferences(n: int, seed: int = 0, *, max_operand: int = 20, ops: str = "+-",
+                           pool: str = "all") -> list[dict]:
+    """Preference records: chosen = correct short answer, rejected = an off-by-one (or off-by-ten) answer.
+    ``pool`` as in ``arithmetic``."""
+    _pool_checked(pool, n, max_operand, ops)
     rng = np.random.default_rng([seed, 2])
     records = []
     for _ in range(n):
-        question, answer = _question(rng, max_operand, ops)
+        question, answer = _question(rng, max_operand, ops, pool)
         wrong = answer + int(rng.choice([-10, -1, 1, 10]))
         records.append({"prompt": [{"role": "user", "content": question}],
                         "chosen": [{"role": "assistant", "content": str(answer)}],
@@ -134,12 +141,14 @@ def encipher(text: str) -> str:
     return "".join(table.get(ch, ch) for ch in text)
 
 
-def mpo_records(n: int, seed: int = 0, *, max_operand: int = 20) -> list[dict]:
-    """MPO records in the official layout; the target side is the dominant side under ``encipher``."""
+def mpo_records(n: int, seed: int = 0, *, max_operand: int = 20, pool: str = "all") -> list[dict]:
+    """MPO records in the official layout; the target side is the dominant side under ``encipher``. ``pool`` as
+    in ``arithmetic`` (of the addition questions)."""
+    _pool_checked(pool, n, max_operand, "+")
     rng = np.random.default_rng([seed, 3])
     records = []
     for _ in range(n):
-        question, answer = _question(rng, max_operand, "+")
+        question, answer = _question(rng, max_operand, "+", pool)
         wrong = answer + int(rng.choice([-1, 1]))
         source = (question, f"The answer is {answer}.", f"The answer is {wrong}.")
         target = tuple(encipher(text) for text in source)
