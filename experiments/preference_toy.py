@@ -1,104 +1,202 @@
-"""DPO vs SimPO vs ORPO on toy preferences, from the same SFT model.
+"""DPO vs SimPO vs ORPO vs SFT on toy preferences, from the shared pretrained start: tuned arms, 5 seeds.
 
-A tiny Llama is first trained briefly with SFT on toy arithmetic (so it answers in the right format but often
-wrongly); each preference objective then trains from that model on pairs whose chosen answer is correct and whose
-rejected answer is off by one or ten. Measured on held-out questions: exact-match accuracy of greedy answers, and
-pairwise preference accuracy (share of held-out pairs where the model gives the chosen answer a higher summed
-log-probability), with the mean log-probability margin. Defaults: DPO β = 0.1; SimPO β = 2, γ/β = 0.5 (the
-toy answers are a few tokens); ORPO λ = 0.1.
+Three papers' claims, each tested as a paired difference on held-out exact match:
+* DPO (Rafailov et al., 2023): DPO on preference pairs improves on the SFT model it starts from more than SFT on
+  the same data does (``dpo − sft``);
+* SimPO (Meng et al., 2024): SimPO beats DPO from the same SFT model (``simpo − dpo``);
+* ORPO (Hong et al., 2024): ORPO from the *pretrained* model, with no SFT stage, beats SFT followed by DPO at the
+  same total steps (``orpo − dpo``).
+
+Per seed, the shared pretrained start (``experiments/pretrained.py``) is first fine-tuned by SFT on chat records of
+the train pool (``sft_steps``, lr 1e-3, the rate SFT chose in the SFT vs IFT study) into the *SFT model*. Pairs:
+train-pool questions, chosen = the right answer, rejected = off by one or ten (``arithmetic_preferences``). Arms:
+* ``sft``: the SFT model, ``steps`` more SFT steps on the pairs' chosen answers;
+* ``dpo``: the SFT model, ``steps`` DPO steps on the pairs (β = 0.1, reference = the SFT model);
+* ``simpo``: the SFT model, ``steps`` SimPO steps (β = 2, γ/β = 0.5; the toy answers are a few tokens);
+* ``orpo``: the pretrained start, ``sft_steps + steps`` ORPO steps on the pairs (λ = 0.1): the same total steps as
+  the SFT-then-preference arms, as the ORPO paper compares.
+
+Protocol: each arm's learning rate from ``LRS`` by mean exact match on the validation pool over the first two
+seeds; every seed then runs at it. Reported: exact match on the whole test pool (greedy, 8 new tokens) and the
+share of test-pool pairs where the chosen answer has the higher summed log-probability, each with its 95 % t
+interval; the three paired differences with intervals, paired t-tests and verdicts.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from common import (
+    cached_run,
+    ci_text,
     command_line,
     completion_logps,
+    differences_table,
+    paired_difference,
     parser,
-    pm,
+    runs_note,
     seeds_of,
     table,
     toy_config,
-    train_model,
+    tuned_arms,
+    verdict,
     workdir_of,
     write,
 )
+from pretrained import pretrained_start
 
 from jaxalign.data.sater import numeric_verifier
-from jaxalign.data.toy import arithmetic, arithmetic_preferences, write_jsonl
+from jaxalign.data.toy import arithmetic, arithmetic_pool, arithmetic_preferences, write_jsonl
 from jaxalign.sampling.routing import answer
-from jaxalign.train.export import export
+from jaxalign.train import train
+from jaxalign.train.export import export, restore_model
 
 STUDY = "preference_toy"
-METHODS = {"dpo": {"beta": 0.1}, "simpo": {"beta": 2.0, "gamma_beta_ratio": 0.5}, "orpo": {"lam": 0.1}}
+ARMS = {"sft": ("sft", {}), "dpo": ("dpo", {"beta": 0.1}),
+        "simpo": ("simpo", {"beta": 2.0, "gamma_beta_ratio": 0.5}), "orpo": ("orpo", {"lam": 0.1})}
+LABELS = {"sft": "SFT → more SFT", "dpo": "SFT → DPO", "simpo": "SFT → SimPO", "orpo": "ORPO from the pretrained start"}
+# the papers' claims, as (method, baseline): method > baseline on held-out exact match
+CLAIMS = {"DPO > SFT": ("dpo", "sft"), "SimPO > DPO": ("simpo", "dpo"), "ORPO > SFT → DPO": ("orpo", "dpo")}
+LRS = (1e-4, 3e-4, 1e-3)
+SFT_LR = 1e-3
 
 
-def evaluate(model, tokenizer, held: list[dict]) -> dict:
-    questions = [r["prompt"][0]["content"] for r in held]
+def pool_pairs(pool: str) -> list[dict]:
+    """One preference pair per question of ``pool`` (the rejected answer off by ±1 or ±10, fixed)."""
+    rng = np.random.default_rng(99)
+    return [{"prompt": r["messages"][:1], "chosen": r["messages"][1:],
+             "rejected": [{"role": "assistant", "content": str(int(r["answer"]) + int(rng.choice([-10, -1, 1, 10])))}],
+             "answer": r["answer"]} for r in arithmetic_pool(pool)]
+
+
+def exact_match(model, tokenizer, questions: list[str], answers: list[str]) -> float:
     out = answer(model, tokenizer, questions, max_new_tokens=8)
-    accuracy = float(np.mean([numeric_verifier(t[0], r["answer"]) for t, r in zip(out.texts, held, strict=True)]))
-    chosen, _ = completion_logps(model, tokenizer, questions, [r["chosen"][0]["content"] for r in held])
-    rejected, _ = completion_logps(model, tokenizer, questions, [r["rejected"][0]["content"] for r in held])
-    return {"accuracy": accuracy, "pair_accuracy": float((chosen > rejected).mean()),
-            "margin": float((chosen - rejected).mean())}
+    return float(np.mean([numeric_verifier(t[0], a) for t, a in zip(out.texts, answers, strict=True)]))
+
+
+def pair_accuracy(model, tokenizer, pairs: list[dict]) -> float:
+    questions = [r["prompt"][0]["content"] for r in pairs]
+    chosen, _ = completion_logps(model, tokenizer, questions, [r["chosen"][0]["content"] for r in pairs])
+    rejected, _ = completion_logps(model, tokenizer, questions, [r["rejected"][0]["content"] for r in pairs])
+    return float((chosen > rejected).mean())
+
+
+def chosen_as_sft(pairs: list[dict]) -> list[dict]:
+    return [{"messages": [*r["prompt"], *r["chosen"]]} for r in pairs]
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    args = parser(__doc__).parse_args(argv)
+    p = parser(__doc__)
+    p.add_argument("--full", action="store_true", help="3x the SFT and preference steps")
+    args = p.parse_args(argv)
     started = time.time()
-    sizes = (dict(sft=200, pairs=100, eval=16, sft_steps=4, steps=3, shape="smoke") if args.smoke
-             else dict(sft=4000, pairs=3000, eval=200, sft_steps=300, steps=200, shape="tiny"))
-    seeds = seeds_of(args, (0, 1))
+    if args.smoke:
+        sizes = dict(shape="smoke", sft=200, pairs=100, sft_steps=4, steps=3, lrs=(3e-4, 1e-3), validation=16, test=16)
+    else:
+        scale = 3 if args.full else 1
+        sizes = dict(shape="tiny", sft=4000, pairs=3000, sft_steps=100 * scale, steps=100 * scale, lrs=LRS,
+                     validation=0, test=0)
+    seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
+    start = pretrained_start(sizes["shape"])
     root = workdir_of(args, STUDY)
-    per_seed = []
-    for seed in seeds:
-        held = arithmetic_preferences(sizes["eval"], 10_000 + seed)
-        held_q = {r["prompt"][0]["content"] for r in held}
-        sft_records = [r for r in arithmetic(sizes["sft"], seed) if r["messages"][0]["content"] not in held_q]
-        pairs = [r for r in arithmetic_preferences(sizes["pairs"], seed + 500) if r["prompt"][0]["content"] not in
-                 held_q]
-        base_dir = root / f"seed{seed}"
-        sft_path = write_jsonl(sft_records, base_dir / "sft.jsonl")
-        sft_model, tokenizer, _ = train_model(toy_config(base_dir / "sft", sft_path, steps=sizes["sft_steps"],
-                                                         shape=sizes["shape"], seed=seed))
-        export(base_dir / "sft", base_dir / "sft_hf")
-        row = {"seed": seed, "sft": evaluate(sft_model, tokenizer, held)}
-        pairs_path = write_jsonl(pairs, base_dir / "pairs.jsonl")
-        for method, params in METHODS.items():
-            config = toy_config(base_dir / method, pairs_path, objective=method, steps=sizes["steps"],
-                                shape=sizes["shape"], seed=seed, lr=5e-4, params=params, batch_size=32)
-            config.model.path = str(base_dir / "sft_hf")
-            model, _, summary = train_model(config)
-            row[method] = {**evaluate(model, tokenizer, held), "train_seconds": summary["seconds"]}
-        per_seed.append(row)
-    names = ("sft", *METHODS)
-    rows = [[("SFT (start)" if m == "sft" else m.upper()), pm([s[m]["accuracy"] for s in per_seed], 100),
-             pm([s[m]["pair_accuracy"] for s in per_seed], 100), pm([s[m]["margin"] for s in per_seed], 1, 2)]
-            for m in names]
-    markdown = table(["model", "held-out accuracy %", "held-out pair accuracy %", "log-prob margin (nats)"], rows)
-    markdown += (f"\n\nSeeds: {', '.join(map(str, seeds))}; SFT {sizes['sft_steps']} steps, then {sizes['steps']} "
-                 f"steps of each objective at lr 5e-4, batch 32; {sizes['eval']} held-out pairs.")
-    results = {"sizes": sizes, "seeds": seeds, "hparams": METHODS, "per_seed": per_seed}
+    validation = pool_pairs("validation")[: sizes["validation"] or None]
+    test = pool_pairs("test")[: sizes["test"] or None]
+
+    def config_for(workdir: Path, data: Path, objective: str, params: dict, steps: int, lr: float, seed: int,
+                   model_path: Path):
+        config = toy_config(workdir, data, objective=objective, steps=steps, seed=seed, lr=lr, params=params,
+                            shape=sizes["shape"])
+        config.model.path = str(model_path)
+        config.tokenizer = ""  # the start's own (the toy tokenizer, exported with it)
+        return config
+
+    def sft_model(seed: int) -> Path:
+        """The seed's SFT model (trained once, shared by the sft, dpo and simpo arms)."""
+        folder = root / f"seed{seed}" / "sft_model"
+        if not (folder / "hf" / "config.json").exists():
+            data = write_jsonl(arithmetic(sizes["sft"], seed, pool="train"), folder / "train.jsonl")
+            train(config_for(folder / "run", data, "sft", {}, sizes["sft_steps"], SFT_LR, seed, start))
+            export(folder / "run", folder / "hf")
+        return folder / "hf"
+
+    def run_one(arm: str, lr: float, seed: int) -> dict:
+        workdir = root / f"seed{seed}" / arm / f"lr{lr:g}"
+
+        def fit() -> dict:
+            pairs = arithmetic_preferences(sizes["pairs"], seed + 500, pool="train")
+            objective, params = ARMS[arm]
+            data = write_jsonl(chosen_as_sft(pairs) if arm == "sft" else pairs, workdir / "train.jsonl")
+            begun = time.time()
+            if arm == "orpo":  # from the pretrained start, the same total steps as SFT then a preference stage
+                config = config_for(workdir / "run", data, objective, params, sizes["sft_steps"] + sizes["steps"], lr,
+                                    seed, start)
+            else:
+                config = config_for(workdir / "run", data, objective, params, sizes["steps"], lr, seed, sft_model(seed))
+            train(config)
+            model, tokenizer, _ = restore_model(workdir / "run")
+            return {"arm": arm, "lr": lr, "seed": seed,
+                    "validation": exact_match(model, tokenizer, *_questions(validation)),
+                    "test": exact_match(model, tokenizer, *_questions(test)),
+                    "test_pairs": pair_accuracy(model, tokenizer, test), "seconds": round(time.time() - begun, 1)}
+
+        return cached_run(workdir / "result.json", fit)
+
+    tuned = tuned_arms(ARMS, sizes["lrs"], seeds, seeds[:2], run_one)
+    tests = {arm: [r["test"] for r in tuned["runs"][arm]] for arm in ARMS}
+    comparisons = {name: paired_difference(tests[a], tests[b]) for name, (a, b) in CLAIMS.items()}
+    results = {"sizes": {**sizes, "lrs": list(sizes["lrs"]), "validation": len(validation), "test": len(test)},
+               "seeds": seeds, "start": start.name, "chosen": tuned["chosen"],
+               "sweep": {arm: {f"{lr:g}": [r["validation"] for r in runs] for lr, runs in sweep.items()}
+                         for arm, sweep in tuned["sweep"].items()},
+               "runs": tuned["runs"], "comparisons": comparisons,
+               "verdicts": {name: verdict(d) for name, d in comparisons.items()}, "all_runs": tuned["every"]}
+    markdown = _markdown(results)
     write(args.out, STUDY, command=command_line(STUDY, argv), results=results, markdown=markdown, started=started)
-    _plot(per_seed, names, f"{args.out}/{STUDY}.png")
+    _plot(results, Path(args.out) / f"{STUDY}.png")
     return results
 
 
-def _plot(per_seed, names, path):
+def _questions(pairs: list[dict]) -> tuple[list[str], list[str]]:
+    return [r["prompt"][0]["content"] for r in pairs], [r["answer"] for r in pairs]
+
+
+def _markdown(results: dict) -> str:
+    sizes = results["sizes"]
+    sweep = table(["arm", *[f"lr {lr:g}" for lr in sizes["lrs"]], "chosen"],
+                  [[LABELS[arm], *[f"{100 * np.mean(results['sweep'][arm][f'{lr:g}']):.1f}" for lr in sizes["lrs"]],
+                    f"{results['chosen'][arm]:g}"] for arm in results["chosen"]])
+    main = table(["arm", "learning rate", "test exact match, % (95 % CI)", "test pairs ranked right, % (95 % CI)",
+                  "exact match per seed, %"],
+                 [[LABELS[arm], f"{results['chosen'][arm]:g}", ci_text([r["test"] for r in runs], 100),
+                   ci_text([r["test_pairs"] for r in runs], 100), ", ".join(f"{100 * r['test']:.1f}" for r in runs)]
+                  for arm, runs in results["runs"].items()])
+    return (f"Learning-rate sweep (validation exact match %, mean of seeds {results['seeds'][:2]}, "
+            f"{sizes['validation']} questions):\n\n{sweep}\n\nTest pool ({sizes['test']} questions, one pair each), "
+            f"seeds {', '.join(map(str, results['seeds']))}; SFT model: {sizes['sft_steps']} SFT steps from the "
+            f"pretrained start `{results['start']}`, then {sizes['steps']} steps per arm (ORPO: "
+            f"{sizes['sft_steps'] + sizes['steps']} from the pretrained start), batch 32:\n\n{main}\n\n"
+            + differences_table(results["comparisons"], verdicts=True) + "\n\n" + runs_note(results["all_runs"]))
+
+
+def _plot(results: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(7, 3))
-    for ax, key, label in ((axes[0], "accuracy", "held-out accuracy"), (axes[1], "pair_accuracy", "pair accuracy")):
-        values = [[s[m][key] * 100 for s in per_seed] for m in names]
-        ax.bar([m.upper() for m in names], [np.mean(v) for v in values], yerr=[np.std(v) for v in values])
-        ax.set_title(label + " (%)", fontsize=9)
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3))
+    panels = ((axes[0], "test", "test exact match, %"), (axes[1], "test_pairs", "test pairs ranked right, %"))
+    for ax, key, label in panels:
+        for i, runs in enumerate(results["runs"].values()):
+            values = np.array([r[key] for r in runs]) * 100
+            ax.scatter(np.full(len(values), i), values, s=12, color="#3a7")
+            ax.errorbar(i + 0.2, values.mean(), yerr=values.std(ddof=1) if len(values) > 1 else 0, fmt="o", color="k")
+        ax.set_xticks(range(len(results["runs"])), [a.upper() for a in results["runs"]], fontsize=8)
+        ax.set_ylabel(label, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
