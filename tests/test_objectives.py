@@ -160,6 +160,7 @@ def test_jit_equals_eager(model):
 # ----------------------------------------------------------------------------------- accumulation
 @pytest.mark.parametrize(("name", "hparams"), [("sft", SFTParams()), ("sft", SFTParams(normalization="sequence")),
                                                ("simpo", None), ("ift", IFTParams(gamma=0.9)),
+                                               ("ift", IFTParams(gamma=0.9, normalization="token")),
                                                ("distill", DistillParams(beta=0.3))])
 def test_micro_batches_sum_to_the_full_batch(model, tiny_config, name, hparams):
     batch = sft_batch() if name in ("sft", "ift", "distill") else pair_batch()
@@ -184,11 +185,13 @@ def test_micro_batches_sum_to_the_full_batch(model, tiny_config, name, hparams):
 
 
 # ------------------------------------------------------------------------------------------------- IFT
+@pytest.mark.parametrize("normalization", ["sequence", "token"])
 @pytest.mark.parametrize("embedding_grad", ["ground_truth", "none"])
-def test_ift_without_mixing_or_propagation_is_sft(model, embedding_grad):
+def test_ift_without_mixing_or_propagation_is_sft(model, embedding_grad, normalization):
+    # under either averaging: the token mean once trained nothing (its numerator was a stopped metric)
     batch = sft_batch()
-    ift_params = IFTParams(max_lambda=0.0, gamma=0.0, embedding_grad=embedding_grad)
-    sft_params = SFTParams(normalization="sequence")
+    ift_params = IFTParams(max_lambda=0.0, gamma=0.0, embedding_grad=embedding_grad, normalization=normalization)
+    sft_params = SFTParams(normalization=normalization)
     ift_loss, _ = run("ift", model, batch, ift_params)
     sft_loss, _ = run("sft", model, batch, sft_params)
     assert float(ift_loss) == pytest.approx(float(sft_loss), rel=1e-6)

@@ -113,8 +113,9 @@ def ift(model, batch, hparams: IFTParams = IFTParams(), *, step=0, rng=None, **_
                                    chunk_size=hparams.logps_chunk_size)
     per_seq, per_example = losses.ift(-logps, loss_mask, gamma=hparams.gamma, detach_weights=hparams.detach_weights)
     weight = example_weights(batch, "tokens", tokens.shape[0])
-    loss = reduce_sequence_losses(per_seq, per_example["ift/weighted_sum"], per_example["len/completion"], weight,
-                                  hparams.normalization)
+    # Σ_t w_t ℓ_t with its gradient (the metric ``ift/weighted_sum`` is a stopped copy): the token mean's numerator
+    weighted_sum = per_seq * jnp.maximum(per_example["len/completion"], 1.0)
+    loss = reduce_sequence_losses(per_seq, weighted_sum, per_example["len/completion"], weight, hparams.normalization)
     metrics = weighted_means(per_example, weight)
     metrics["loss"] = Metric(jax.lax.stop_gradient(loss.total), loss.count)
     metrics["ift/lambda"] = Metric(lam, jnp.ones(()))
