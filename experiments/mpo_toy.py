@@ -1,41 +1,80 @@
-"""MPO vs DPO-on-target on the two-"language" toy task (target language = the dominant one under a letter cipher).
+"""MPO vs DPO and SFT on the target "language" of a two-language toy task: tuned arms, 5 seeds, paired tests.
 
-A tiny Llama is first trained with SFT on many dominant-language answers and a few target-language ones, so its
-reward gap RG = avg log p(chosen) − avg log p(rejected) (chosen: the right sum, rejected: off by one) is larger in
-the dominant language than in the target one. From that model (also the frozen reference):
+The MPO paper's claim (Zhao et al., ACL 2025): matching each target-language reward gap to the frozen model's
+dominant-language gap (with a hidden-state preservation term on the dominant language) improves the target
+language's behaviour more than DPO on the same target-language pairs, without degrading the dominant language
+(the paper: attack success rate in the target languages and utility; here: greedy exact match in each language).
 
-* MPO (β = 1, mean pooling, hidden-state preservation): pulls the target gap towards the reference's dominant gap;
-* DPO on the target pairs (β = 0.1): the usual alternative, trained on the same target pairs for the same steps.
+The two languages are the same addition questions, the target one under a fixed letter cipher ("What is 3 + 4?" /
+"The answer is 7." and their enciphered copies; the digits are not enciphered). Per seed, the shared pretrained
+start (``experiments/pretrained.py``, which has read English arithmetic but never the cipher) is fine-tuned by SFT
+on many dominant-language answers and a few target-language ones (train pool), so the target language is the weak
+one; that *SFT model* is every arm's start and MPO's and DPO's frozen reference. Arms, each on the same
+train-pool records for the same steps:
 
-Measured on held-out records: the target gap and the target pair accuracy (RG > 0), the dominant gap (drift from
-the reference), the mean absolute change of dominant-language average log-probs (how far the dominant language
-moved), and the target-language gap's distance to the reference's dominant gap (what MPO optimises).
+* ``mpo``: β = 1, mean pooling, hidden-state preservation (the official code's settings);
+* ``dpo``: DPO (β = 0.1) on the target-language pairs;
+* ``sft``: SFT on the target-language chosen answers.
+
+Each arm's learning rate from ``LRS`` by mean target-language exact match on the validation pool (addition
+questions, 58) over the first two seeds; every seed then runs at it. Reported on the test pool (137 addition
+questions; the generator has no more): greedy exact match in each language, the target pair accuracy (the right
+answer's average log-prob above the off-by-one one's) and the dominant-language drift (mean absolute change of
+its answers' average log-probs from the SFT model). Paired differences: target exact match MPO − DPO and MPO − SFT
+(the claim), and dominant exact match MPO − DPO and MPO − the SFT model (the "without degrading" part).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from common import (
+    cached_run,
+    ci_text,
     command_line,
     completion_logps,
+    differences_table,
+    paired_difference,
     parser,
-    pm,
+    runs_note,
     seeds_of,
     table,
     toy_config,
-    train_model,
+    tuned_arms,
+    verdict,
     workdir_of,
     write,
 )
+from pretrained import pretrained_start
 
-from jaxalign.data.toy import mpo_records, write_jsonl
-from jaxalign.train.export import export
+from jaxalign.data.sater import numeric_verifier
+from jaxalign.data.toy import arithmetic_pool, mpo_record, mpo_records, write_jsonl
+from jaxalign.sampling.routing import answer
+from jaxalign.train import train
+from jaxalign.train.export import export, restore_model
 
 STUDY = "mpo_toy"
 SIDES = ("source", "target")
+ARMS = {"mpo": ("mpo", {"beta": 1.0, "pooling": "mean"}), "dpo": ("dpo", {"beta": 0.1}), "sft": ("sft", {})}
+LABELS = {"start": "SFT model (the start and reference)", "mpo": "MPO", "dpo": "DPO on target pairs",
+          "sft": "SFT on target answers"}
+# (metric, method, baseline, is a claim of the paper)
+COMPARISONS = {"target exact match: MPO − DPO": ("target_em", "mpo", "dpo"),
+               "target exact match: MPO − SFT": ("target_em", "mpo", "sft"),
+               "dominant exact match: MPO − DPO": ("source_em", "mpo", "dpo"),
+               "dominant exact match: MPO − SFT model": ("source_em", "mpo", "start")}
+LRS = (1e-4, 3e-4, 1e-3)
+SFT_LR = 1e-3
+
+
+def pool_records(pool: str) -> list[dict]:
+    """One MPO record per addition question of ``pool`` (the rejected answer off by one, fixed)."""
+    rng = np.random.default_rng(98)
+    return [mpo_record(r["messages"][0]["content"], int(r["answer"]), int(r["answer"]) + int(rng.choice([-1, 1])))
+            for r in arithmetic_pool(pool, ops="+")]
 
 
 def sft_records(records, side):
@@ -49,6 +88,12 @@ def target_pairs(records):
              "rejected": [{"role": "assistant", "content": r["target_rejected"]["value"]}]} for r in records]
 
 
+def exact_match(model, tokenizer, records, side: str) -> float:
+    questions = [r[f"{side}_conversations"][0]["value"] for r in records]
+    out = answer(model, tokenizer, questions, max_new_tokens=24)
+    return float(np.mean([numeric_verifier(t[0], r["answer"]) for t, r in zip(out.texts, records, strict=True)]))
+
+
 def avg_logps(model, tokenizer, records) -> dict:
     out = {}
     for side in SIDES:
@@ -60,77 +105,132 @@ def avg_logps(model, tokenizer, records) -> dict:
     return out
 
 
-def measures(logps: dict, reference: dict) -> dict:
-    gap = {side: logps[f"{side}_chosen"] - logps[f"{side}_rejected"] for side in SIDES}
-    ref_dominant = reference["source_chosen"] - reference["source_rejected"]
+def measures(model, tokenizer, records, reference: dict | None) -> dict:
+    logps = avg_logps(model, tokenizer, records)
+    reference = reference or logps
+    gap = logps["target_chosen"] - logps["target_rejected"]
     drift = np.mean([np.abs(logps[f"source_{k}"] - reference[f"source_{k}"]).mean() for k in ("chosen", "rejected")])
-    return {"target_gap": float(gap["target"].mean()), "target_pair_accuracy": float((gap["target"] > 0).mean()),
-            "dominant_gap": float(gap["source"].mean()), "dominant_drift": float(drift),
-            "target_vs_dominant_ref": float(np.abs(gap["target"] - ref_dominant).mean())}
+    return {"target_em": exact_match(model, tokenizer, records, "target"),
+            "source_em": exact_match(model, tokenizer, records, "source"),
+            "target_pairs": float((gap > 0).mean()), "dominant_drift": float(drift),
+            "logps": {k: v.tolist() for k, v in logps.items()}}
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    args = parser(__doc__).parse_args(argv)
+    p = parser(__doc__)
+    p.add_argument("--full", action="store_true", help="3x the SFT and fine-tuning steps")
+    args = p.parse_args(argv)
     started = time.time()
-    sizes = (dict(dominant=200, target=40, pairs=60, eval=16, sft_steps=4, steps=3, shape="smoke") if args.smoke
-             else dict(dominant=4000, target=400, pairs=2000, eval=200, sft_steps=500, steps=150, shape="tiny"))
-    seeds = seeds_of(args, (0, 1))
+    if args.smoke:
+        sizes = dict(shape="smoke", dominant=200, target=40, pairs=60, sft_steps=4, steps=3, lrs=(3e-4, 1e-3),
+                     validation=8, test=8)
+    else:
+        scale = 3 if args.full else 1
+        sizes = dict(shape="tiny", dominant=4000, target=400, pairs=2000, sft_steps=200 * scale, steps=100 * scale,
+                     lrs=LRS, validation=0, test=0)
+    seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
+    start = pretrained_start(sizes["shape"])
     root = workdir_of(args, STUDY)
-    per_seed = []
-    for seed in seeds:
-        held = mpo_records(sizes["eval"], 10_000 + seed)
-        held_q = {r["source_conversations"][0]["value"] for r in held}
-        # only 441 distinct sums exist: draw three times what is needed, so enough remain after holding out
-        pool = [r for r in mpo_records(3 * (sizes["dominant"] + sizes["pairs"]), seed)
-                if r["source_conversations"][0]["value"] not in held_q]
-        sft_pool, pair_pool = pool[: sizes["dominant"]], pool[sizes["dominant"]:]
-        sft = sft_records(sft_pool, "source") + sft_records(sft_pool[: sizes["target"]], "target")
-        base_dir = root / f"seed{seed}"
-        sft_model, tokenizer, _ = train_model(toy_config(base_dir / "sft", write_jsonl(sft, base_dir / "sft.jsonl"),
-                                                         steps=sizes["sft_steps"], shape=sizes["shape"], seed=seed,
-                                                         max_length=96))
-        export(base_dir / "sft", base_dir / "sft_hf")
-        reference = avg_logps(sft_model, tokenizer, held)
-        row = {"seed": seed, "sft": measures(reference, reference)}
-        runs = {"mpo": (write_jsonl(pair_pool, base_dir / "mpo.jsonl"), {"beta": 1.0, "pooling": "mean"}),
-                "dpo": (write_jsonl(target_pairs(pair_pool), base_dir / "dpo.jsonl"), {"beta": 0.1})}
-        for method, (path, params) in runs.items():
-            config = toy_config(base_dir / method, path, objective=method, steps=sizes["steps"], shape=sizes["shape"],
-                                seed=seed, lr=5e-4, params=params, max_length=96)
-            config.model.path = str(base_dir / "sft_hf")
-            model, _, summary = train_model(config)
-            row[method] = {**measures(avg_logps(model, tokenizer, held), reference),
-                           "train_seconds": summary["seconds"]}
-        per_seed.append(row)
-    names = {"sft": "SFT (start = reference)", "mpo": "MPO", "dpo": "DPO on target"}
-    keys = ("target_gap", "target_pair_accuracy", "dominant_gap", "dominant_drift", "target_vs_dominant_ref")
-    rows = [[label] + [pm([s[m][k] for s in per_seed], 100 if k == "target_pair_accuracy" else 1,
-                          1 if k == "target_pair_accuracy" else 3) for k in keys] for m, label in names.items()]
-    markdown = table(["model", "target gap", "target pair accuracy %", "dominant gap", "dominant drift",
-                      "|target gap − reference dominant gap|"], rows)
-    markdown += (f"\n\nGaps are in nats per token (average log-prob of the right answer minus the off-by-one one). "
-                 f"Seeds: {', '.join(map(str, seeds))}; SFT {sizes['sft_steps']} steps, then {sizes['steps']} steps "
-                 f"of each objective at lr 5e-4; {sizes['eval']} held-out records.")
-    results = {"sizes": sizes, "seeds": seeds, "per_seed": per_seed}
+    validation = pool_records("validation")[: sizes["validation"] or None]
+    test = pool_records("test")[: sizes["test"] or None]
+
+    def config_for(workdir: Path, data: Path, objective: str, params: dict, steps: int, lr: float, seed: int,
+                   model_path: Path):
+        config = toy_config(workdir, data, objective=objective, steps=steps, seed=seed, lr=lr, params=params,
+                            shape=sizes["shape"], max_length=96)
+        config.model.path = str(model_path)
+        config.tokenizer = ""  # the start's own (the toy tokenizer, exported with it)
+        return config
+
+    def seed_data(seed: int) -> tuple[list[dict], list[dict]]:
+        records = mpo_records(sizes["dominant"] + sizes["pairs"], seed, pool="train")
+        return records[: sizes["dominant"]], records[sizes["dominant"]:]
+
+    def sft_model(seed: int) -> tuple[Path, dict]:
+        """The seed's SFT model (trained once; every arm's start) and its measures on the test pool."""
+        folder = root / f"seed{seed}" / "sft_model"
+
+        def fit() -> dict:
+            sft_pool, _ = seed_data(seed)
+            data = write_jsonl(sft_records(sft_pool, "source") + sft_records(sft_pool[: sizes["target"]], "target"),
+                               folder / "train.jsonl")
+            train(config_for(folder / "run", data, "sft", {}, sizes["sft_steps"], SFT_LR, seed, start))
+            export(folder / "run", folder / "hf")
+            model, tokenizer, _ = restore_model(folder / "run")
+            return {"arm": "start", "seed": seed, **measures(model, tokenizer, test, None)}
+
+        return folder / "hf", cached_run(folder / "result.json", fit)
+
+    def run_one(arm: str, lr: float, seed: int) -> dict:
+        workdir = root / f"seed{seed}" / arm / f"lr{lr:g}"
+
+        def fit() -> dict:
+            model_path, start_measures = sft_model(seed)
+            _, pairs = seed_data(seed)
+            objective, params = ARMS[arm]
+            records = {"mpo": pairs, "dpo": target_pairs(pairs), "sft": sft_records(pairs, "target")}[arm]
+            data = write_jsonl(records, workdir / "train.jsonl")
+            begun = time.time()
+            train(config_for(workdir / "run", data, objective, params, sizes["steps"], lr, seed, model_path))
+            model, tokenizer, _ = restore_model(workdir / "run")
+            reference = {k: np.asarray(v) for k, v in start_measures["logps"].items()}
+            return {"arm": arm, "lr": lr, "seed": seed,
+                    "validation": exact_match(model, tokenizer, validation, "target"),
+                    **measures(model, tokenizer, test, reference), "seconds": round(time.time() - begun, 1)}
+
+        return cached_run(workdir / "result.json", fit)
+
+    tuned = tuned_arms(ARMS, sizes["lrs"], seeds, seeds[:2], run_one)
+    runs = {"start": [sft_model(seed)[1] for seed in seeds], **tuned["runs"]}
+    comparisons = {name: paired_difference([r[metric] for r in runs[a]], [r[metric] for r in runs[b]])
+                   for name, (metric, a, b) in COMPARISONS.items()}
+    slim = {arm: [{k: v for k, v in r.items() if k != "logps"} for r in rs] for arm, rs in runs.items()}
+    results = {"sizes": {**sizes, "lrs": list(sizes["lrs"]), "validation": len(validation), "test": len(test)},
+               "seeds": seeds, "start": start.name, "chosen": tuned["chosen"],
+               "sweep": {arm: {f"{lr:g}": [r["validation"] for r in rs] for lr, rs in sweep.items()}
+                         for arm, sweep in tuned["sweep"].items()},
+               "runs": slim, "comparisons": comparisons,
+               "verdicts": {name: verdict(d) for name, d in comparisons.items()},
+               "all_runs": [{k: v for k, v in r.items() if k != "logps"} for r in tuned["every"]]}
+    markdown = _markdown(results)
     write(args.out, STUDY, command=command_line(STUDY, argv), results=results, markdown=markdown, started=started)
-    _plot(per_seed, names, f"{args.out}/{STUDY}.png")
+    _plot(results, Path(args.out) / f"{STUDY}.png")
     return results
 
 
-def _plot(per_seed, names, path):
+def _markdown(results: dict) -> str:
+    sizes = results["sizes"]
+    sweep = table(["arm", *[f"lr {lr:g}" for lr in sizes["lrs"]], "chosen"],
+                  [[LABELS[arm], *[f"{100 * np.mean(results['sweep'][arm][f'{lr:g}']):.1f}" for lr in sizes["lrs"]],
+                    f"{results['chosen'][arm]:g}"] for arm in results["chosen"]])
+    rows = [[LABELS[arm], f"{results['chosen'].get(arm, SFT_LR):g}", ci_text([r["target_em"] for r in rs], 100),
+             ci_text([r["source_em"] for r in rs], 100), ci_text([r["target_pairs"] for r in rs], 100),
+             ci_text([r["dominant_drift"] for r in rs], 1, 3)] for arm, rs in results["runs"].items()]
+    main = table(["model", "learning rate", "target exact match, %", "dominant exact match, %",
+                  "target pairs ranked right, %", "dominant drift (nats/token)"], rows)
+    return (f"Learning-rate sweep (validation target-language exact match %, mean of seeds {results['seeds'][:2]}, "
+            f"{sizes['validation']} questions):\n\n{sweep}\n\nTest pool ({sizes['test']} addition questions), seeds "
+            f"{', '.join(map(str, results['seeds']))}; SFT model: {sizes['sft_steps']} SFT steps from the pretrained "
+            f"start `{results['start']}` on {sizes['dominant']} dominant and {sizes['target']} target answers; then "
+            f"{sizes['steps']} steps per arm on {sizes['pairs']} records; 95 % CIs:\n\n{main}\n\n"
+            + differences_table(results["comparisons"], verdicts=True) + "\n\n" + runs_note(results["all_runs"]))
+
+
+def _plot(results: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5.5, 3.2))
-    x = np.arange(len(names))
-    for offset, key, label in ((-0.2, "target_gap", "target gap"), (0.2, "dominant_gap", "dominant gap")):
-        values = [[s[m][key] for s in per_seed] for m in names]
-        ax.bar(x + offset, [np.mean(v) for v in values], 0.4, yerr=[np.std(v) for v in values], label=label)
-    ax.set_xticks(x, list(names.values()), fontsize=8)
-    ax.set_ylabel("reward gap (nats / token)")
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    arms = list(results["runs"])
+    for offset, key, label in ((-0.2, "target_em", "target exact match"), (0.2, "source_em", "dominant exact match")):
+        values = [[100 * r[key] for r in results["runs"][arm]] for arm in arms]
+        ax.bar(np.arange(len(arms)) + offset, [np.mean(v) for v in values], 0.4,
+               yerr=[np.std(v, ddof=1) if len(v) > 1 else 0 for v in values], label=label)
+    ax.set_xticks(range(len(arms)), [LABELS[a] for a in arms], fontsize=6)
+    ax.set_ylabel("%")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -149,16 +149,20 @@ def mpo_records(n: int, seed: int = 0, *, max_operand: int = 20, pool: str = "al
     records = []
     for _ in range(n):
         question, answer = _question(rng, max_operand, "+", pool)
-        wrong = answer + int(rng.choice([-1, 1]))
-        source = (question, f"The answer is {answer}.", f"The answer is {wrong}.")
-        target = tuple(encipher(text) for text in source)
-        record = {}
-        for side, (prompt, chosen, rejected) in (("source", source), ("target", target)):
-            record[f"{side}_conversations"] = [{"from": "human", "value": prompt}]
-            record[f"{side}_chosen"] = {"from": "gpt", "value": chosen}
-            record[f"{side}_rejected"] = {"from": "gpt", "value": rejected}
-        records.append({**record, "answer": str(answer)})
+        records.append(mpo_record(question, answer, answer + int(rng.choice([-1, 1]))))
     return records
+
+
+def mpo_record(question: str, answer: int, wrong: int) -> dict:
+    """One MPO record: ``question`` answered ``answer`` (chosen) or ``wrong`` (rejected), in both languages."""
+    source = (question, f"The answer is {answer}.", f"The answer is {wrong}.")
+    target = tuple(encipher(text) for text in source)
+    record = {}
+    for side, (prompt, chosen, rejected) in (("source", source), ("target", target)):
+        record[f"{side}_conversations"] = [{"from": "human", "value": prompt}]
+        record[f"{side}_chosen"] = {"from": "gpt", "value": chosen}
+        record[f"{side}_rejected"] = {"from": "gpt", "value": rejected}
+    return {**record, "answer": str(answer)}
 
 
 def multitask(n: int, seed: int = 0, *, tasks: Iterable[str] = TASKS, max_operand: int = 20,
