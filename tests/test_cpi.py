@@ -120,13 +120,23 @@ def test_pipeline_runs_end_to_end(tmp_path):
 
     overrides = {"workdir": tmp_path, "cpi.tasks": "add,copy", "cpi.train_per_task": 64, "cpi.eval_per_task": 4,
                  "cpi.base_steps": 4, "cpi.probe_steps": 4, "cpi.stage_steps": 2, "cpi.sample_per_task": 16,
-                 "cpi.tau": 1.1, "train.batch_size": 8, "model.shape.hidden_size": 32, "model.shape.num_layers": 1,
+                 "cpi.tau": 1.1, "cpi.ablations": True, "cpi.forgetting": "add,copy", "cpi.probe_lr": 1e-3,
+                 "train.batch_size": 8, "model.shape.hidden_size": 32, "model.shape.num_layers": 1,
                  "model.shape.intermediate_size": 64, "model.shape.num_heads": 2, "model.shape.num_kv_heads": 1}
     config = load_config("cpi", [f"--config.{k}={v}" for k, v in overrides.items()])
     report = run(config)
     assert report["groups"] == [["add"], ["copy"]]  # tau above 1: every task alone, staged in order
     assert set(report["scores"]) == {"base", "probe_add", "probe_copy", "fused", "cpi_ft", "multi_task_sft",
-                                     "sequential_sft"}
+                                     "sequential_sft", "cpi_ft_no_fusion", "cpi_ft_no_freezing"}
+    assert set(report["forgetting"]) == {"sequential_sft", "multi_task_sft", "cpi_ft", "cpi_ft_no_fusion",
+                                         "cpi_ft_no_freezing"}
+    test = report["forgetting_test"]
+    assert (test["a"], test["b"]) == ("add", "copy")
+    assert set(test) >= {"after_a", "after_b_plain", "after_b_core_frozen"}
     total = sum(report["core_sizes"].values())
     assert total > 0 and len(report["jaccard"]) == 2
     assert (tmp_path / "report.md").read_text().startswith("| model | add | copy | mean |")
+    for key, value in (("cpi.stage_data", "sequential"), ("cpi.forgetting", "add,add"), ("cpi.forgetting", "add,sub")):
+        bad = load_config("cpi", [f"--config.{k}={v}" for k, v in {**overrides, key: value}.items()])
+        with pytest.raises(ValueError, match=key):
+            run(bad)

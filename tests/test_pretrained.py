@@ -43,6 +43,15 @@ def test_pools_split_the_question_space_once():
         assert {r["messages"][0]["content"] for r in drawn} <= set(questions[pool])
         assert all(int(r["answer"]) == eval(r["messages"][0]["content"][8:-1]) for r in drawn)
     assert arithmetic(50, 7) == arithmetic(50, 7, pool="all")  # the whole space draws as before
+    add_questions = {f"Add {a} and {b}.": f"What is {a} + {b}?" for a in range(21) for b in range(21)}
+    sub_questions = {f"Subtract {b} from {a}.": f"What is {a} - {b}?" for a in range(21) for b in range(21)}
+    for pool in ("train", "test"):
+        drawn = multitask(200, 5, pool=pool)
+        arithmetic_only = [r for r in drawn if r["task"] in ("add", "sub")]
+        assert len(arithmetic_only) == 100 and {r["task"] for r in drawn} == {"add", "sub", "reverse", "copy"}
+        assert {({**add_questions, **sub_questions})[r["messages"][0]["content"]] for r in arithmetic_only} \
+            <= set(questions[pool])
+    assert multitask(40, 5) == multitask(40, 5, pool="all")
     for make, key in ((arithmetic_preferences, lambda r: r["prompt"][0]["content"]),
                       (mpo_records, lambda r: r["source_conversations"][0]["value"])):
         assert make(40, 5) == make(40, 5, pool="all")

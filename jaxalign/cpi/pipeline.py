@@ -7,6 +7,7 @@ Writes ``report.json`` and ``report.md`` to the run folder.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -50,20 +51,22 @@ class Trainer:
         return [tokenize_record(self.tok, validate_record(r, source="toy", index=i, kind="sft"))
                 for i, r in enumerate(records)]
 
-    def _step(self, steps: int, params):
-        """(optimizer, jitted step) for a run of ``steps`` steps (the schedule's length), built once; the frozen
-        entries live in the optimizer state, so every mask shares the step."""
-        if steps not in self._steps:
-            tx, _ = optimizer(self.spec.optim, steps)
+    def _step(self, steps: int, params, lr: float):
+        """(optimizer, jitted step) for a run of ``steps`` steps (the schedule's length) at peak rate ``lr``, built
+        once; the frozen entries live in the optimizer state, so every mask shares the step."""
+        if (steps, lr) not in self._steps:
+            tx, _ = optimizer(dataclasses.replace(self.spec.optim, lr=lr), steps)
             template = freeze(tx, jax.tree.map(lambda _: False, params))
-            self._steps[steps] = (tx, make_train_step(self.graphdef, get_objective("sft").fn, make_params("sft"),
-                                                      template))
-        return self._steps[steps]
+            self._steps[steps, lr] = (tx, make_train_step(self.graphdef, get_objective("sft").fn, make_params("sft"),
+                                                          template))
+        return self._steps[steps, lr]
 
-    def train(self, params, records: list[dict], steps: int, *, frozen=None, seed: int = 0):
+    def train(self, params, records: list[dict], steps: int, *, frozen=None, seed: int = 0, lr: float = 0.0):
+        """``steps`` SFT steps from ``params`` on ``records`` (peak rate ``lr``, the run's own when 0), the
+        entries set in ``frozen`` held fixed."""
         if steps <= 0:
             return params
-        tx, step = self._step(steps, params)
+        tx, step = self._step(steps, params, lr or self.spec.optim.lr)
         mask = jax.tree.map(lambda _: False, params) if frozen is None else frozen
         state = init_state(jax.tree.map(jnp.copy, params), freeze(tx, mask), seed, None)
         pipeline = DataPipeline([self.examples(records)], "sft",
@@ -81,12 +84,25 @@ class Trainer:
 
 def _task_data(cpi, seed: int) -> tuple[dict[str, list], dict[str, list]]:
     tasks = [t for t in cpi.tasks.split(",") if t]
-    evaluation = {t: multitask(cpi.eval_per_task * len(tasks), seed + 1000, tasks=tasks) for t in tasks}
-    evaluation = {t: [r for r in records if r["task"] == t][: cpi.eval_per_task] for t, records in evaluation.items()}
+    # arithmetic questions: evaluated on the fixed test pool, trained on the train pool (jaxalign.data.toy.pool_of)
+    evaluation = multitask(cpi.eval_per_task * len(tasks), seed + 1000, tasks=tasks, pool="test")
+    evaluation = {t: [r for r in evaluation if r["task"] == t][: cpi.eval_per_task] for t in tasks}
     held_out = {r["messages"][0]["content"] for records in evaluation.values() for r in records}
-    pool = multitask(cpi.train_per_task * len(tasks), seed, tasks=tasks)
+    pool = multitask(cpi.train_per_task * len(tasks), seed, tasks=tasks, pool="train")
     train = {t: [r for r in pool if r["task"] == t and r["messages"][0]["content"] not in held_out] for t in tasks}
     return train, evaluation
+
+
+STAGE_DATA = ("mixed", "group")
+
+
+def _check(cpi, tasks: list[str]) -> None:
+    if cpi.stage_data not in STAGE_DATA:
+        raise ValueError(f"cpi.stage_data={cpi.stage_data!r}; expected one of {STAGE_DATA}")
+    pair = [t for t in cpi.forgetting.split(",") if t]
+    if cpi.forgetting and (len(pair) != 2 or pair[0] == pair[1] or not set(pair) <= set(tasks)):
+        raise ValueError(f"cpi.forgetting={cpi.forgetting!r}; expected two different tasks of cpi.tasks "
+                         f"({','.join(tasks)}), e.g. 'add,reverse'")
 
 
 def run(config) -> dict:
@@ -105,6 +121,7 @@ def run(config) -> dict:
     trainer = Trainer(spec, graphdef, tokenizer, mesh, max_new_tokens=cpi.max_new_tokens)
     train_data, eval_data = _task_data(cpi, spec.seed)
     tasks = list(train_data)
+    _check(cpi, tasks)
 
     def scores(params) -> dict[str, float]:
         return {t: round(trainer.accuracy(params, eval_data[t]), 4) for t in tasks}
@@ -119,7 +136,7 @@ def run(config) -> dict:
     include = lambda name: default_include(name, embeddings=cpi.include_embeddings, norms=cpi.include_norms)
     probes, masks = [], []
     for i, task in enumerate(tasks):
-        probe = trainer.train(base, train_data[task], cpi.probe_steps, seed=10 + i)
+        probe = trainer.train(base, train_data[task], cpi.probe_steps, seed=10 + i, lr=cpi.probe_lr)
         probes.append(probe)
         masks.append(core_mask(base, probe, cpi.fraction, include=include))
         report["scores"][f"probe_{task}"] = scores(probe)
@@ -135,32 +152,52 @@ def run(config) -> dict:
     fused = fuse(base, probes, masks, omega=cpi.omega or None)
     report["scores"]["fused"] = scores(fused)
 
-    # 4. staged SFT on a small balanced sample, earlier groups' cores frozen
-    current, frozen_groups = fused, []
-    for k, group in enumerate(groups):
-        sample = [r for i in group for r in train_data[tasks[i]][: cpi.sample_per_task]]
-        frozen = union([masks[i] for g in frozen_groups for i in g]) if frozen_groups else None
-        current = trainer.train(current, sample, cpi.stage_steps * len(group), frozen=frozen, seed=100 + k)
-        frozen_groups.append(group)
-    report["scores"]["cpi_ft"] = scores(current)
-    log(f"CPI-FT: {report['scores']['cpi_ft']}")
+    # 4. staged SFT on a small balanced sample (every task's, or the stage's group's), earlier groups' cores frozen
+    def staged(start_params, freezing: bool):
+        current, frozen_groups = start_params, []
+        for k, group in enumerate(groups):
+            members = range(len(tasks)) if cpi.stage_data == "mixed" else group
+            sample = [r for i in members for r in train_data[tasks[i]][: cpi.sample_per_task]]
+            frozen = union([masks[i] for g in frozen_groups for i in g]) if frozen_groups and freezing else None
+            current = trainer.train(current, sample, cpi.stage_steps * len(group), frozen=frozen, seed=100 + k)
+            frozen_groups.append(group)
+        return current
 
-    if cpi.baselines:
-        budget = cpi.probe_steps * len(tasks)
+    report["scores"]["cpi_ft"] = scores(staged(fused, True))
+    log(f"CPI-FT: {report['scores']['cpi_ft']}")
+    if cpi.ablations:
+        report["scores"]["cpi_ft_no_fusion"] = scores(staged(base, True))  # the stages start from θ0
+        report["scores"]["cpi_ft_no_freezing"] = scores(staged(fused, False))
+        log(f"ablations: no fusion {report['scores']['cpi_ft_no_fusion']}, "
+            f"no freezing {report['scores']['cpi_ft_no_freezing']}")
+
+    if cpi.baselines:  # the same total steps as CPI-FT's probes and stages
+        per_task = cpi.probe_steps + cpi.stage_steps
         mixture = [r for t in tasks for r in train_data[t]]
-        report["scores"]["multi_task_sft"] = scores(trainer.train(base, mixture, budget, seed=200))
+        report["scores"]["multi_task_sft"] = scores(trainer.train(base, mixture, per_task * len(tasks), seed=200))
         sequential = base
         report["sequential_after_each"] = {}
         for i, task in enumerate(tasks):
-            sequential = trainer.train(sequential, train_data[task], cpi.probe_steps, seed=300 + i)
+            sequential = trainer.train(sequential, train_data[task], per_task, seed=300 + i)
             report["sequential_after_each"][task] = scores(sequential)
         report["scores"]["sequential_sft"] = scores(sequential)
+        methods = [m for m in ("sequential_sft", "multi_task_sft", "cpi_ft", "cpi_ft_no_fusion", "cpi_ft_no_freezing")
+                   if m in report["scores"]]
         report["forgetting"] = {
             method: round(float(np.mean([report["scores"][f"probe_{t}"][t] - report["scores"][method][t]
-                                         for t in tasks])), 4)
-            for method in ("sequential_sft", "multi_task_sft", "cpi_ft")}
+                                         for t in tasks])), 4) for method in methods}
         log(f"multi-task SFT: {report['scores']['multi_task_sft']}")
         log(f"sequential SFT: {report['scores']['sequential_sft']}")
+
+    if cpi.forgetting:  # task A's probe, then task B's data with and without A's core frozen
+        a, b = (tasks.index(t) for t in cpi.forgetting.split(","))
+        after_b = {"plain": trainer.train(probes[a], train_data[tasks[b]], cpi.probe_steps, seed=400,
+                                          lr=cpi.probe_lr),
+                   "core_frozen": trainer.train(probes[a], train_data[tasks[b]], cpi.probe_steps, frozen=masks[a],
+                                                seed=400, lr=cpi.probe_lr)}
+        report["forgetting_test"] = {"a": tasks[a], "b": tasks[b], "after_a": report["scores"][f"probe_{tasks[a]}"],
+                                     **{f"after_b_{k}": scores(v) for k, v in after_b.items()}}
+        log(f"forgetting test {tasks[a]} -> {tasks[b]}: {report['forgetting_test']}")
     report["seconds"] = round(time.time() - start, 1)
     (workdir / "report.json").write_text(json.dumps(report, indent=2))
     (workdir / "report.md").write_text(markdown(report))

@@ -166,17 +166,23 @@ def mpo_record(question: str, answer: int, wrong: int) -> dict:
 
 
 def multitask(n: int, seed: int = 0, *, tasks: Iterable[str] = TASKS, max_operand: int = 20,
-              word_length: int = 5) -> list[dict]:
-    """Chat SFT records cycling through ``tasks``; each has ``task`` and ``answer``."""
+              word_length: int = 5, pool: str = "all") -> list[dict]:
+    """Chat SFT records cycling through ``tasks``; each has ``task`` and ``answer``. ``pool``: the addition and
+    subtraction questions come from that fixed pool of ``arithmetic`` (the same operation, in this wording)."""
     tasks = tuple(tasks)
     unknown = set(tasks) - set(TASKS)
     if unknown:
         raise ValueError(f"unknown tasks {sorted(unknown)}; expected a subset of {TASKS}")
+    for task, op in (("add", "+"), ("sub", "-")):
+        if task in tasks:
+            _pool_checked(pool, n, max_operand, op)
     rng = np.random.default_rng([seed, 4])
     records = []
     for i in range(n):
         task = tasks[i % len(tasks)]
         a, b = (int(x) for x in rng.integers(0, max_operand + 1, 2))
+        while pool != "all" and task in ("add", "sub") and pool_of(a, "+" if task == "add" else "-", b) != pool:
+            a, b = (int(x) for x in rng.integers(0, max_operand + 1, 2))
         word = "".join(rng.choice(list(string.ascii_lowercase), word_length))
         question, answer = {
             "add": (f"Add {a} and {b}.", str(a + b)),
