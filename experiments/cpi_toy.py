@@ -1,9 +1,22 @@
-"""CPI-FT vs multi-task and sequential SFT on the four toy tasks (addition, subtraction, reversal, copy).
+"""CPI-FT vs multi-task and sequential SFT on four toy tasks (addition, subtraction, reversal, copy), with its
+ablations and the A -> B forgetting test, from the shared pretrained start.
 
-Runs `jaxalign.cpi.pipeline.run` (what `jaxalign cpi --config cpi` runs) at a size that fits the study budget:
-the bundled config's method settings (p = 1 % cores, τ = 0.2, embeddings and norms included) with shorter probes
-(250 steps per task) and stages (125 steps per task), and baselines with the same budget. The full-size run
-(500-step probes, 22 minutes) is reported in docs/cpi.md. Scores: held-out exact match per task.
+The CPI-FT paper's claim (Wang, Liang & Peng, EMNLP 2025): isolating each task's core parameters (the top p = 1 %
+of its probe fine-tune's updates), fusing the probes and training the fused model in a short pipelined multi-task
+stage with earlier groups' cores frozen beats multi-task SFT and multi-stage (sequential) SFT, and forgets less.
+
+Runs ``jaxalign.cpi.pipeline.run`` (what ``jaxalign cpi --config cpi`` runs) per seed, from the shared pretrained
+start (``experiments/pretrained.py``: it has read the four tasks' wordings, "Add 3 and 4. 7", "Reverse abcde.
+edcba", on train-pool operations only) as θ0, as the paper described it: low-rate probes (``PROBE_LR``), p = 1 %,
+τ = 0.2, the pipelined stages on a balanced sample of every task (``stage_data="mixed"``) with earlier groups'
+cores frozen, and both baselines at CPI-FT's total steps (probes and stages). Ablations from the same probes:
+CPI-FT without fusion (the stages start from θ0) and without freezing. The forgetting test: task A's probe then
+task B's data (add -> reverse), with A's core frozen or not; A's retention.
+
+Scores: held-out exact match per task (the arithmetic questions from the test pool), the mean over tasks. Paired
+differences over seeds for: CPI-FT − multi-task SFT, CPI-FT − sequential SFT (the claim), CPI-FT − no fusion and
+CPI-FT − no freezing (what each part adds), and A's retention with the core frozen − without. The learning rates
+are fixed, not tuned (``PROBE_LR`` for the probes, ``LR`` for stages and baselines).
 """
 
 from __future__ import annotations
@@ -12,69 +25,124 @@ import sys
 import time
 
 import numpy as np
-from common import command_line, parser, pm, seeds_of, table, workdir_of, write
+from common import (
+    cached_run,
+    ci_text,
+    command_line,
+    differences_table,
+    paired_difference,
+    parser,
+    seeds_of,
+    table,
+    verdict,
+    workdir_of,
+    write,
+)
+from pretrained import pretrained_start
 
 from jaxalign.configs import cpi as cpi_config
 from jaxalign.cpi.pipeline import run as run_cpi
 
 STUDY = "cpi_toy"
-ROWS = {"base": "base θ0", "fused": "fused (before staged SFT)", "cpi_ft": "**CPI-FT**",
+ROWS = {"base": "θ0 (the pretrained start)", "fused": "fused (before the stages)", "cpi_ft": "**CPI-FT**",
+        "cpi_ft_no_fusion": "CPI-FT without fusion", "cpi_ft_no_freezing": "CPI-FT without freezing",
         "sequential_sft": "sequential SFT", "multi_task_sft": "multi-task SFT"}
+CLAIMS = {"CPI-FT − multi-task SFT": ("cpi_ft", "multi_task_sft"),
+          "CPI-FT − sequential SFT": ("cpi_ft", "sequential_sft"),
+          "CPI-FT − without fusion": ("cpi_ft", "cpi_ft_no_fusion"),
+          "CPI-FT − without freezing": ("cpi_ft", "cpi_ft_no_freezing")}
+PROBE_LR, LR = 3e-4, 1e-3
+FORGETTING = "add,reverse"
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    args = parser(__doc__).parse_args(argv)
+    p = parser(__doc__)
+    p.add_argument("--full", action="store_true", help="2x the probe and stage steps")
+    args = p.parse_args(argv)
     started = time.time()
-    seeds = seeds_of(args, (0,))
-    per_seed = []
-    for seed in seeds:
+    seeds = seeds_of(args, (0, 1, 2), smoke=(0, 1))
+    start = pretrained_start("smoke" if args.smoke else "tiny")
+    root = workdir_of(args, STUDY)
+    scale = 2 if args.full else 1
+
+    def one_seed(seed: int) -> dict:
         config = cpi_config.get_config()
         config.seed = seed
-        config.workdir = str(workdir_of(args, STUDY) / f"seed{seed}")
+        config.workdir = str(root / f"seed{seed}")
+        config.model.path, config.tokenizer = str(start), ""
+        config.optim.lr = LR
         config.logging.update(tensorboard=False, plot=False, progress=False)
+        config.cpi.update(base_steps=0, probe_lr=PROBE_LR, stage_data="mixed", ablations=True, forgetting=FORGETTING)
         if args.smoke:
-            config.model.shape.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
-                                      num_kv_heads=1)
-            config.cpi.update(train_per_task=64, eval_per_task=8, base_steps=3, probe_steps=3, sample_per_task=16,
-                              stage_steps=2, tasks="add,reverse")
+            config.cpi.update(train_per_task=64, eval_per_task=8, probe_steps=3, sample_per_task=16, stage_steps=2)
             config.train.batch_size = 8
         else:
-            config.cpi.update(probe_steps=250, stage_steps=125, eval_per_task=100)
-        per_seed.append(run_cpi(config))
+            config.cpi.update(probe_steps=150 * scale, stage_steps=60 * scale, eval_per_task=100,
+                              sample_per_task=300)
+        return cached_run(root / f"seed{seed}" / "result.json", lambda: run_cpi(config))
+
+    per_seed = [one_seed(seed) for seed in seeds]
     tasks = per_seed[0]["tasks"]
-    probe_row = ["probe (each task's own fine-tune)"] + [
-        pm([r["scores"][f"probe_{t}"][t] for r in per_seed], 100) for t in tasks]
-    probe_row.append(pm([np.mean([r["scores"][f"probe_{t}"][t] for t in tasks]) for r in per_seed], 100))
-    rows = [probe_row] + [[label] + [pm([r["scores"][key][t] for r in per_seed], 100) for t in tasks]
-                          + [pm([np.mean(list(r["scores"][key].values())) for r in per_seed], 100)]
-                          for key, label in ROWS.items()]
-    markdown = table(["model", *tasks, "mean"], rows)
-    markdown += ("\n\nGroups: " + "; ".join(str(r["groups"]) for r in per_seed) + ". Forgetting (mean drop from "
-                 "each task's probe score, points): " + "; ".join(
-                     ", ".join(f"{k} {100 * v:.1f}" for k, v in r["forgetting"].items()) for r in per_seed)
-                 + f".\nSeeds: {', '.join(map(str, seeds))}; settings: {per_seed[0]['settings']}.")
-    results = {"seeds": seeds, "per_seed": per_seed}
+    means = {key: [float(np.mean([r["scores"][key][t] for t in tasks])) for r in per_seed] for key in ROWS}
+    means["probes"] = [float(np.mean([r["scores"][f"probe_{t}"][t] for t in tasks])) for r in per_seed]
+    comparisons = {name: paired_difference(means[a], means[b]) for name, (a, b) in CLAIMS.items()}
+    a, b = FORGETTING.split(",")
+    retention = {k: [r["forgetting_test"][f"after_b_{k}"][a] for r in per_seed] for k in ("plain", "core_frozen")}
+    comparisons[f"{a} kept after {b}: core frozen − not"] = paired_difference(retention["core_frozen"],
+                                                                               retention["plain"])
+    results = {"seeds": seeds, "start": start.name, "tasks": tasks, "probe_lr": PROBE_LR, "lr": LR,
+               "settings": per_seed[0]["settings"], "means": means, "retention": retention,
+               "comparisons": comparisons, "verdicts": {name: verdict(d) for name, d in comparisons.items()},
+               "per_seed": per_seed}
+    markdown = _markdown(results)
     write(args.out, STUDY, command=command_line(STUDY, argv), results=results, markdown=markdown, started=started)
-    _plot(per_seed, tasks, f"{args.out}/{STUDY}.png")
+    _plot(results, f"{args.out}/{STUDY}.png")
     return results
 
 
-def _plot(per_seed, tasks, path):
+def _markdown(results: dict) -> str:
+    tasks, per_seed = results["tasks"], results["per_seed"]
+    probe = ["each task's own probe", *[ci_text([r["scores"][f"probe_{t}"][t] for r in per_seed], 100) for t in tasks],
+             ci_text(results["means"]["probes"], 100)]
+    rows = [probe] + [[label, *[ci_text([r["scores"][key][t] for r in per_seed], 100) for t in tasks],
+                       ci_text(results["means"][key], 100)] for key, label in ROWS.items()]
+    a, b = FORGETTING.split(",")
+    settings = results["settings"]
+    after_a = [r["forgetting_test"]["after_a"][a] for r in per_seed]
+    forgetting = table(["model", f"{a} exact match, %", f"{b} exact match, %"],
+                       [[f"{a}'s probe", ci_text(after_a, 100),
+                         ci_text([r["forgetting_test"]["after_a"][b] for r in per_seed], 100)]]
+                       + [[f"then {b}, {label}", ci_text(results["retention"][k], 100),
+                           ci_text([r["forgetting_test"][f"after_b_{k}"][b] for r in per_seed], 100)]
+                          for k, label in (("plain", "nothing frozen"), ("core_frozen", f"{a}'s core frozen"))])
+    groups = "; ".join(str(r["groups"]) for r in per_seed)
+    return (table(["model", *tasks, "mean"], rows)
+            + f"\n\nHeld-out exact match, % (95 % CI over seeds {', '.join(map(str, results['seeds']))}). Groups: "
+              f"{groups}. Probes {settings['probe_steps']} steps at lr {results['probe_lr']:g}; stages "
+              f"{settings['stage_steps']} steps per task at lr {results['lr']:g} on {settings['sample_per_task']} "
+              f"records of every task; baselines at the same total steps; p = {settings['fraction']}, τ = "
+              f"{settings['tau']}.\n\nThe forgetting test ({a} -> {b}, {settings['probe_steps']} steps of {b}):\n\n"
+            + forgetting + "\n\n" + differences_table(results["comparisons"], verdicts=True))
+
+
+def _plot(results: dict, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = ["cpi_ft", "sequential_sft", "multi_task_sft"]
-    fig, ax = plt.subplots(figsize=(6, 3.2))
+    keys = ["cpi_ft", "cpi_ft_no_fusion", "cpi_ft_no_freezing", "sequential_sft", "multi_task_sft"]
+    tasks = results["tasks"]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
     x = np.arange(len(tasks))
+    width = 0.8 / len(keys)
     for i, key in enumerate(keys):
-        ax.bar(x + (i - 1) * 0.27, [np.mean([r["scores"][key][t] * 100 for r in per_seed]) for t in tasks], 0.27,
-               label=ROWS[key].strip("*"))
+        values = [np.mean([r["scores"][key][t] * 100 for r in results["per_seed"]]) for t in tasks]
+        ax.bar(x + (i - len(keys) / 2 + 0.5) * width, values, width, label=ROWS[key].strip("*"))
     ax.set_xticks(x, tasks)
     ax.set_ylabel("held-out exact match (%)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
