@@ -28,7 +28,19 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command_line, parser, pm, seeds_of, t_interval, table, workdir_of, write
+from common import (
+    command_line,
+    differences_table,
+    paired_difference,
+    parser,
+    pm,
+    seeds_of,
+    t_interval,
+    table,
+    verdict,
+    workdir_of,
+    write,
+)
 
 from jaxalign.data.sources import read_records
 from jaxalign.train import load_config, train
@@ -142,7 +154,12 @@ def main(argv: list[str] | None = None) -> dict:
     text += (f"\n\nGRPO gain over the SFT start: {pm(gains, 100)} points (mean ± sample std over {n} seeds; "
              f"per seed {', '.join(f'{100 * g:+.1f}' for g in gains)}; 95 % t-interval half-width "
              f"{mean - low:.1f}).\n")
-    results = {"runs": runs, "gains": gains}
+    comparisons = {"GRPO − SFT start": paired_difference(col("final"), col("start"))}
+    if args.baseline:
+        comparisons["GRPO − matched SFT"] = paired_difference(col("final"), col("sft_more"))
+    text += "\n" + differences_table(comparisons, verdicts=True) + "\n"
+    results = {"runs": runs, "gains": gains, "comparisons": comparisons,
+               "verdicts": {name: verdict(d) for name, d in comparisons.items()}}
     write(args.out, "grpo_toy", command=command_line("grpo_toy", argv), results=results, markdown=text,
           started=started)
     plot(runs, Path(args.out) / "grpo_toy.png")
