@@ -57,7 +57,8 @@ from jaxalign.train.export import export, restore_model
 STUDY = "preference_toy"
 ARMS = {"sft": ("sft", {}), "dpo": ("dpo", {"beta": 0.1}),
         "simpo": ("simpo", {"beta": 2.0, "gamma_beta_ratio": 0.5}), "orpo": ("orpo", {"lam": 0.1})}
-LABELS = {"sft": "SFT → more SFT", "dpo": "SFT → DPO", "simpo": "SFT → SimPO", "orpo": "ORPO from the pretrained start"}
+LABELS = {"start": "the SFT model (start of SFT, DPO, SimPO)",
+          "sft": "SFT → more SFT", "dpo": "SFT → DPO", "simpo": "SFT → SimPO", "orpo": "ORPO from the pretrained start"}
 # the papers' claims, as (method, baseline): method > baseline on held-out exact match
 CLAIMS = {"DPO > SFT": ("dpo", "sft"), "SimPO > DPO": ("simpo", "dpo"), "ORPO > SFT → DPO": ("orpo", "dpo")}
 LRS = (1e-4, 3e-4, 1e-3)
@@ -145,7 +146,18 @@ def main(argv: list[str] | None = None) -> dict:
 
         return cached_run(workdir / "result.json", fit)
 
+    def start_scores(seed: int) -> dict:
+        """The SFT model itself (every arm but ORPO starts here), on the same test pool."""
+        def fit() -> dict:
+            model, tokenizer, _ = restore_model(root / f"seed{seed}" / "sft_model" / "run")
+            return {"arm": "start", "seed": seed, "test": exact_match(model, tokenizer, *_questions(test)),
+                    "test_pairs": pair_accuracy(model, tokenizer, test)}
+
+        sft_model(seed)
+        return cached_run(root / f"seed{seed}" / "sft_model" / "result.json", fit)
+
     tuned = tuned_arms(ARMS, sizes["lrs"], seeds, seeds[:2], run_one)
+    tuned["runs"] = {"start": [start_scores(seed) for seed in seeds], **tuned["runs"]}
     tests = {arm: [r["test"] for r in tuned["runs"][arm]] for arm in ARMS}
     comparisons = {name: paired_difference(tests[a], tests[b]) for name, (a, b) in CLAIMS.items()}
     results = {"sizes": {**sizes, "lrs": list(sizes["lrs"]), "validation": len(validation), "test": len(test)},
@@ -171,7 +183,7 @@ def _markdown(results: dict) -> str:
                     f"{results['chosen'][arm]:g}"] for arm in results["chosen"]])
     main = table(["arm", "learning rate", "test exact match, % (95 % CI)", "test pairs ranked right, % (95 % CI)",
                   "exact match per seed, %"],
-                 [[LABELS[arm], f"{results['chosen'][arm]:g}", ci_text([r["test"] for r in runs], 100),
+                 [[LABELS[arm], f"{results['chosen'].get(arm, SFT_LR):g}", ci_text([r["test"] for r in runs], 100),
                    ci_text([r["test_pairs"] for r in runs], 100), ", ".join(f"{100 * r['test']:.1f}" for r in runs)]
                   for arm, runs in results["runs"].items()])
     return (f"Learning-rate sweep (validation exact match %, mean of seeds {results['seeds'][:2]}, "
