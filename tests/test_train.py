@@ -38,10 +38,13 @@ def test_bundled_configs_load_and_validate():
 
 
 def test_the_default_job_trains_its_input_table_only_from_random_weights(capsys):
-    assert load_config("default").objective.params.embedding_grad == "ground_truth"
-    assert load_config("default:smollm2").objective.params.embedding_grad == "none"
-    assert load_config("default", ["model.path=/models/m"]).objective.params.embedding_grad == "none"
-    assert "objective.params.embedding_grad='none'" in capsys.readouterr().out  # said on the console
+    params = load_config("default").objective.params
+    assert (params.embedding_grad, params.normalization) == ("ground_truth", "token")
+    for config in (load_config("default:smollm2"), load_config("default", ["model.path=/models/m"])):
+        params = config.objective.params  # a pretrained model: the official code's settings
+        assert (params.embedding_grad, params.normalization) == ("none", "sequence")
+    said = capsys.readouterr().out
+    assert "objective.params.embedding_grad='none'" in said and "objective.params.normalization='sequence'" in said
     chosen = load_config("default", ["model.path=/models/m", "objective.params.embedding_grad=ground_truth"])
     assert chosen.objective.params.embedding_grad == "ground_truth"  # the user's choice stands
 

@@ -6,8 +6,9 @@ once the model's own guesses mean something; held-out exact-match accuracy is pr
 The model starts from random weights, so its input-embedding table learns (``embedding_grad="ground_truth"``; with
 λ = γ = 0 this is SFT exactly). The official code's frozen input table (``"none"``) suits a pretrained table and
 kept this job's inputs at their random values; pointed at a pretrained model (``model.path``, a model preset) the
-job goes back to it. Measured over 3 seeds the two score the same, and both trail SFT
-at equal steps (``experiments/default_job.py``, docs/results.md "The default job").
+job goes back to it. The loss is averaged per token (``normalization="token"``, as ``--config sft`` averages it):
+from random weights, IFT averaged per sequence (the official code's averaging) trailed SFT at equal steps, and per
+token it does not (``experiments/default_job.py``, docs/results.md "The default job").
 """
 
 from jaxalign.configs import base, presets
@@ -27,4 +28,5 @@ def get_config(arg=None):
     config.objective.params.warmup_steps = 300
     config.objective.params.gamma = 0.95
     config.objective.params.embedding_grad = "ground_truth"
+    config.objective.params.normalization = "token"
     return presets.apply(config, arg)

@@ -17,10 +17,12 @@ def tiny(config):
 
 
 def frozen_pretrained_table(config):
-    """IFT on a pretrained model keeps the input-embedding table frozen, as the official code does; only the default
-    job, which starts from random weights, trains it (``embedding_grad="ground_truth"``)."""
+    """IFT on a pretrained model runs as the official code does: the input-embedding table frozen and the loss
+    averaged per sequence; only the default job, which starts from random weights, trains the table
+    (``embedding_grad="ground_truth"``) and averages per token."""
     if config.objective.name == "ift" and "embedding_grad" in config.objective.params:
         config.objective.params.embedding_grad = "none"
+        config.objective.params.normalization = "sequence"
     return config
 
 
@@ -111,6 +113,7 @@ def for_pretrained(config, user_fields: set[str]) -> list[str]:
         changes["data.max_prompt_length"] = PREFERENCE_PROMPT_LENGTH
     if name == "ift" and "embedding_grad" in config.objective.params:
         changes["objective.params.embedding_grad"] = "none"  # a pretrained input table stays frozen
+        changes["objective.params.normalization"] = "sequence"  # and the loss is averaged as the official code does
     if name == "grpo":
         changes.update(PRETRAINED_GRPO)
         params = config.objective.params
