@@ -169,6 +169,20 @@ def tuned_arms(arms, lrs, seeds, sweep_seeds, run_one) -> dict:
     return {"sweep": sweep, "chosen": chosen, "runs": runs, "every": every}
 
 
+def sweep_summary(tuned: dict) -> dict:
+    """``{arm: {"<lr>": [validation score per sweep seed]}}`` of a ``tuned_arms`` result (JSON keys)."""
+    return {arm: {f"{lr:g}": [r["validation"] for r in runs] for lr, runs in sweep.items()}
+            for arm, sweep in tuned["sweep"].items()}
+
+
+def sweep_table(results: dict, labels: dict) -> str:
+    """The learning-rate sweep as a Markdown table: mean validation score (%) per arm and rate, and the choice."""
+    lrs = results["sizes"]["lrs"]
+    return table(["arm", *[f"lr {lr:g}" for lr in lrs], "chosen"],
+                 [[labels[arm], *[f"{100 * np.mean(results['sweep'][arm][f'{lr:g}']):.1f}" for lr in lrs],
+                   f"{results['chosen'][arm]:g}"] for arm in results["chosen"]])
+
+
 def _recording(run_one, every: list):
     def run(*args):
         every.append(run_one(*args))

@@ -41,6 +41,8 @@ from common import (
     parser,
     runs_note,
     seeds_of,
+    sweep_summary,
+    sweep_table,
     table,
     toy_config,
     tuned_arms,
@@ -188,8 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     slim = {arm: [{k: v for k, v in r.items() if k != "logps"} for r in rs] for arm, rs in runs.items()}
     results = {"sizes": {**sizes, "lrs": list(sizes["lrs"]), "validation": len(validation), "test": len(test)},
                "seeds": seeds, "start": start.name, "chosen": tuned["chosen"],
-               "sweep": {arm: {f"{lr:g}": [r["validation"] for r in rs] for lr, rs in sweep.items()}
-                         for arm, sweep in tuned["sweep"].items()},
+               "sweep": sweep_summary(tuned),
                "runs": slim, "comparisons": comparisons,
                "verdicts": {name: verdict(d) for name, d in comparisons.items()},
                "all_runs": [{k: v for k, v in r.items() if k != "logps"} for r in tuned["every"]]}
@@ -201,9 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _markdown(results: dict) -> str:
     sizes = results["sizes"]
-    sweep = table(["arm", *[f"lr {lr:g}" for lr in sizes["lrs"]], "chosen"],
-                  [[LABELS[arm], *[f"{100 * np.mean(results['sweep'][arm][f'{lr:g}']):.1f}" for lr in sizes["lrs"]],
-                    f"{results['chosen'][arm]:g}"] for arm in results["chosen"]])
+    sweep = sweep_table(results, LABELS)
     rows = [[LABELS[arm], f"{results['chosen'].get(arm, SFT_LR):g}", ci_text([r["target_em"] for r in rs], 100),
              ci_text([r["source_em"] for r in rs], 100), ci_text([r["target_pairs"] for r in rs], 100),
              ci_text([r["dominant_drift"] for r in rs], 1, 3)] for arm, rs in results["runs"].items()]

@@ -39,6 +39,8 @@ from common import (
     parser,
     runs_note,
     seeds_of,
+    sweep_summary,
+    sweep_table,
     table,
     toy_config,
     tuned_arms,
@@ -162,8 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     comparisons = {name: paired_difference(tests[a], tests[b]) for name, (a, b) in CLAIMS.items()}
     results = {"sizes": {**sizes, "lrs": list(sizes["lrs"]), "validation": len(validation), "test": len(test)},
                "seeds": seeds, "start": start.name, "chosen": tuned["chosen"],
-               "sweep": {arm: {f"{lr:g}": [r["validation"] for r in runs] for lr, runs in sweep.items()}
-                         for arm, sweep in tuned["sweep"].items()},
+               "sweep": sweep_summary(tuned),
                "runs": tuned["runs"], "comparisons": comparisons,
                "verdicts": {name: verdict(d) for name, d in comparisons.items()}, "all_runs": tuned["every"]}
     markdown = _markdown(results)
@@ -178,9 +179,7 @@ def _questions(pairs: list[dict]) -> tuple[list[str], list[str]]:
 
 def _markdown(results: dict) -> str:
     sizes = results["sizes"]
-    sweep = table(["arm", *[f"lr {lr:g}" for lr in sizes["lrs"]], "chosen"],
-                  [[LABELS[arm], *[f"{100 * np.mean(results['sweep'][arm][f'{lr:g}']):.1f}" for lr in sizes["lrs"]],
-                    f"{results['chosen'][arm]:g}"] for arm in results["chosen"]])
+    sweep = sweep_table(results, LABELS)
     main = table(["arm", "learning rate", "test exact match, % (95 % CI)", "test pairs ranked right, % (95 % CI)",
                   "exact match per seed, %"],
                  [[LABELS[arm], f"{results['chosen'].get(arm, SFT_LR):g}", ci_text([r["test"] for r in runs], 100),

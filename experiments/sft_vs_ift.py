@@ -38,6 +38,8 @@ from common import (
     parser,
     runs_note,
     seeds_of,
+    sweep_summary,
+    sweep_table,
     table,
     toy_config,
     tuned_arms,
@@ -116,8 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
                    if a in arms and b in arms}
     results = {"sizes": {**sizes, "lrs": list(sizes["lrs"]), "validation": len(validation), "test": len(test)},
                "seeds": seeds, "start": start.name, "chosen": tuned["chosen"],
-               "sweep": {arm: {f"{lr:g}": [r["validation"] for r in runs] for lr, runs in sweep.items()}
-                         for arm, sweep in tuned["sweep"].items()},
+               "sweep": sweep_summary(tuned),
                "runs": tuned["runs"], "comparisons": comparisons,
                "all_runs": tuned["every"],
                "verdict": verdict(comparisons["ift − sft"]) if "ift − sft" in comparisons else None}
@@ -129,9 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _markdown(results: dict) -> str:
     sizes = results["sizes"]
-    sweep = table(["arm", *[f"lr {lr:g}" for lr in sizes["lrs"]], "chosen"],
-                  [[LABELS[arm], *[f"{100 * np.mean(results['sweep'][arm][f'{lr:g}']):.1f}" for lr in sizes["lrs"]],
-                    f"{results['chosen'][arm]:g}"] for arm in results["chosen"]])
+    sweep = sweep_table(results, LABELS)
     main = table(["arm", "learning rate", "test exact match, % (95 % CI)", "per seed, %"],
                  [[LABELS[arm], f"{results['chosen'][arm]:g}", ci_text([r["test"] for r in results["runs"][arm]], 100),
                    ", ".join(f"{100 * r['test']:.1f}" for r in results["runs"][arm])] for arm in results["runs"]])
