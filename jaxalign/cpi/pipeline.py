@@ -109,6 +109,7 @@ def run(config) -> dict:
     """Runs CPI-FT (and the baselines) from a config with a ``cpi`` section; returns the report."""
     start = time.time()
     cpi = config.cpi
+    _check(cpi, [t for t in cpi.tasks.split(",") if t])  # before the model loads
     spec = validate(config)
     workdir = Path(spec.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -121,7 +122,6 @@ def run(config) -> dict:
     trainer = Trainer(spec, graphdef, tokenizer, mesh, max_new_tokens=cpi.max_new_tokens)
     train_data, eval_data = _task_data(cpi, spec.seed)
     tasks = list(train_data)
-    _check(cpi, tasks)
 
     def scores(params) -> dict[str, float]:
         return {t: round(trainer.accuracy(params, eval_data[t]), 4) for t in tasks}
