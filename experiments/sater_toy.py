@@ -1,30 +1,50 @@
-"""SATER on toy arithmetic: stage I (shortest-correct vs longest-incorrect DPO on the model's own samples), stage
-II (threshold-conditioned refusal SFT) and routing to a large model (an exact solver).
+"""SATER on toy arithmetic (fair-test protocol): stage I (shortest-correct vs longest-incorrect DPO on the model's
+own samples), stage II (threshold-conditioned refusal SFT) and routing to a large model (an exact solver).
 
-1. SFT a tiny Llama on arithmetic answered half the time with just the number and half the time with the working
-   ("7 + 5 = 12. The answer is 12."), so its samples vary in length.
+1. The SFT model of each seed: the shared pretrained start fine-tuned on train-pool arithmetic answered half the
+   time with just the number and half the time with the working ("7 + 5 = 12. The answer is 12."), so its samples
+   vary in length.
 2. Stage I: K samples per training question at temperature 1, judged by exact match; pairs (shortest correct,
-   longest incorrect); DPO from the SFT model. Measured on held-out questions: greedy accuracy and the average
-   length (tokens) of correct answers, greedy and sampled, before and after.
-3. Stage II: K samples from the stage-I model give each question's confidence c(q); for every τ of the grid an SFT
-   record whose target is the refusal when c(q) < τ, else the shortest correct sample. Measured: the refusal rate
-   on held-out questions at each τ (should rise with τ).
-4. Routing: a refusal sends the question to the exact solver (priced at 50× the small model per token); the
-   cost–accuracy curve over τ, and cascade routing (M samples, confidence-weighted vote), against random routing
-   (ToA).
+   longest incorrect); DPO from the SFT model (also the reference). Its learning rate is chosen on the validation
+   pool over the first two seeds by the claim's own rule: the shortest mean correct answer among the rates whose
+   validation accuracy stays within 2 points of the SFT model's.
+3. Stage II: K samples from the stage-I model give each training question's confidence c(q); for every τ of the
+   grid an SFT record whose target is the refusal when c(q) < τ, else the shortest correct sample.
+4. Routing on the test pool: a refusal sends the question to the exact solver (priced at 50x the small model per
+   token): the cost-accuracy curve over τ (pre-generation) and cascade routing (M samples, confidence-weighted
+   vote), each against random routing (ToA, the area under the curve).
+
+Claims tested, paired by seed (5 seeds): stage I shortens correct answers; it keeps accuracy (non-inferiority,
+margin 2 points); stage II answers the questions it keeps more accurately than the stage-I model answers all of
+them (τ = 0.5); pre-generation and cascade routing beat random routing.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from common import command_line, parser, pm, seeds_of, table, toy_config, train_model, workdir_of, write
+from common import (
+    cached_run,
+    ci_text,
+    command_line,
+    paired_difference,
+    parser,
+    runs_note,
+    seeds_of,
+    table,
+    toy_config,
+    verdict,
+    workdir_of,
+    write,
+)
+from pretrained import pretrained_start
 
-from jaxalign.data.sater import REFUSAL, is_refusal, numeric_verifier, threshold_prompt
-from jaxalign.data.toy import arithmetic, write_jsonl
+from jaxalign.data.sater import REFUSAL, numeric_verifier
+from jaxalign.data.toy import arithmetic, arithmetic_pool, write_jsonl
 from jaxalign.sampling.routing import (
     CostModel,
     answer,
@@ -34,121 +54,244 @@ from jaxalign.sampling.routing import (
     plot_routes,
     routing_table,
 )
-from jaxalign.train.export import export
+from jaxalign.train import train
+from jaxalign.train.export import export, restore_model
 
 STUDY = "sater_toy"
 TAUS = (0.1, 0.3, 0.5, 0.7, 0.9)
+SELECTIVE_TAU = 0.5  # the threshold at which stage II's selective accuracy is tested
 LARGE_PRICE = 50.0  # per token, against 1 for the small model (a large model costs far more per token)
+MARGIN = 0.02  # stage I "keeps accuracy": its loss is under 2 points (decided before the runs)
+DPO_LRS = (3e-5, 1e-4, 3e-4)
+NEW_TOKENS = 32
 
 
-def length_stats(model, tokenizer, questions, golds, *, samples: int, seed: int) -> dict:
-    greedy = answer(model, tokenizer, questions, max_new_tokens=32)
-    ok = [numeric_verifier(t[0], g) for t, g in zip(greedy.texts, golds, strict=True)]
-    greedy_len = [n[0] for n, c in zip(greedy.n_tokens, ok, strict=True) if c]
-    sampled = answer(model, tokenizer, questions, num_samples=samples, temperature=1.0, max_new_tokens=32, seed=seed)
-    pairs = [(n, numeric_verifier(t, g)) for ts, ns, g in zip(sampled.texts, sampled.n_tokens, golds, strict=True)
-             for t, n in zip(ts, ns, strict=True)]
-    return {"greedy_accuracy": float(np.mean(ok)),
-            "greedy_correct_length": float(np.mean(greedy_len)) if greedy_len else float("nan"),
-            "sampled_accuracy": float(np.mean([c for _, c in pairs])),
-            "sampled_correct_length": float(np.mean([n for n, c in pairs if c])) if any(c for _, c in pairs)
-            else float("nan")}
+def pool_questions(pool: str, limit: int = 0) -> tuple[list[str], list[str]]:
+    records = arithmetic_pool(pool)[: limit or None]
+    return [r["messages"][0]["content"] for r in records], [r["answer"] for r in records]
 
 
-def run_seed(seed: int, sizes: dict, workdir, smoke: bool, out) -> dict:
-    root = workdir / f"seed{seed}"
-    held = arithmetic(sizes["eval"], 10_000 + seed)
-    held_q = {r["messages"][0]["content"] for r in held}
-    pool = [r for r in arithmetic(sizes["sft_records"], seed, style="mixed")
-            if r["messages"][0]["content"] not in held_q]
-    questions = [r["messages"][0]["content"] for r in held]
-    golds = [r["answer"] for r in held]
-    train_q = [r["messages"][0]["content"] for r in pool[: sizes["sample_questions"]]]
-    train_g = [r["answer"] for r in pool[: sizes["sample_questions"]]]
-    shape = "smoke" if smoke else "tiny"
-    k = sizes["k"]
-
-    sft_model, tokenizer, _ = train_model(toy_config(root / "sft", write_jsonl(pool, root / "sft.jsonl"),
-                                                     steps=sizes["sft_steps"], shape=shape, seed=seed))
-    before = length_stats(sft_model, tokenizer, questions, golds, samples=4, seed=seed)
-    export(root / "sft", root / "sft_hf")
-
-    # stage I
-    samples = answer(sft_model, tokenizer, train_q, num_samples=k, temperature=1.0, max_new_tokens=32, seed=seed)
-    pairs, counts = build_stage1(train_q, train_g, samples)
-    if pairs:
-        dpo_cfg = toy_config(root / "stage1", write_jsonl(pairs, root / "stage1.jsonl"), objective="dpo",
-                             steps=sizes["dpo_steps"], shape=shape, seed=seed, lr=sizes["dpo_lr"], batch_size=16,
-                             params={"beta": 0.1})
-        dpo_cfg.model.path = str(root / "sft_hf")
-        stage1_model, _, _ = train_model(dpo_cfg)
-        export(root / "stage1", root / "stage1_hf")
-    else:  # no question had both a correct and an incorrect sample (an untrained smoke-size model): no stage I
-        stage1_model, root_stage1 = sft_model, root / "sft_hf"
-    after = length_stats(stage1_model, tokenizer, questions, golds, samples=4, seed=seed)
-
-    # stage II
-    samples2 = answer(stage1_model, tokenizer, train_q, num_samples=k, temperature=1.0, max_new_tokens=32,
-                      seed=seed + 1)
-    stage2 = build_stage2(train_q, train_g, samples2, TAUS)
-    sft2_cfg = toy_config(root / "stage2", write_jsonl(stage2, root / "stage2.jsonl"), steps=sizes["stage2_steps"],
-                          shape=shape, seed=seed, lr=sizes["stage2_lr"], max_length=192)
-    sft2_cfg.model.path = str(root / "stage1_hf") if pairs else str(root_stage1)
-    stage2_model, _, _ = train_model(sft2_cfg)
-    refusal = {}
-    for tau in TAUS:
-        routed = answer(stage2_model, tokenizer, [threshold_prompt(q, tau) for q in questions], max_new_tokens=32)
-        refused = [is_refusal(t[0]) for t in routed.texts]
-        answered_ok = [numeric_verifier(t[0], g) for t, g, r in zip(routed.texts, golds, refused, strict=True) if not r]
-        refusal[str(tau)] = {"refusal_rate": float(np.mean(refused)),
-                             "accuracy_when_answering": float(np.mean(answered_ok)) if answered_ok else float("nan")}
-    target_refusals = {str(t): float(np.mean([r["target"] == REFUSAL
-                                              for r in stage2 if r["tau"] == t])) for t in TAUS}
-    report = evaluate_routing(stage2_model, tokenizer, questions, golds, large=None, taus=TAUS,
-                              cascade_samples=sizes["cascade"], max_new_tokens=32,
-                              cost=CostModel(small_price=1.0, large_price=LARGE_PRICE))
-    if seed == sizes["plot_seed"]:
-        plot_routes(report, f"{out}/{STUDY}_routing.png", title=f"SATER routing on toy arithmetic (seed {seed})")
-    return {"seed": seed, "before": before, "after_stage1": after, "stage1_data": counts,
-            "stage2_target_refusal_share": target_refusals, "stage2": refusal, "routing": report,
-            "routing_table": routing_table(report)}
+def greedy_stats(model, tokenizer, questions, golds) -> dict:
+    """Greedy accuracy and the mean length (tokens) of the correct answers."""
+    out = answer(model, tokenizer, questions, max_new_tokens=NEW_TOKENS)
+    ok = [numeric_verifier(t[0], g) for t, g in zip(out.texts, golds, strict=True)]
+    lengths = [n[0] for n, c in zip(out.n_tokens, ok, strict=True) if c]
+    return {"accuracy": float(np.mean(ok)), "correct_length": float(np.mean(lengths)) if lengths else float("nan")}
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parser(__doc__).parse_args(argv)
     started = time.time()
-    sizes = (dict(sft_records=300, sample_questions=24, eval=16, k=4, sft_steps=4, dpo_steps=2, dpo_lr=1e-4,
-                  stage2_steps=2, stage2_lr=1e-4, cascade=2) if args.smoke
-             else dict(sft_records=4000, sample_questions=800, eval=200, k=8, sft_steps=1500, dpo_steps=100,
-                       dpo_lr=5e-5, stage2_steps=500, stage2_lr=5e-4, cascade=8))
-    seeds = seeds_of(args, (0,))
-    sizes["plot_seed"] = seeds[0]
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    per_seed = [run_seed(s, sizes, workdir_of(args, STUDY), args.smoke, args.out) for s in seeds]
+    sizes = (dict(shape="smoke", sft_records=300, sample_questions=24, validation=16, test=16, k=4, sft_steps=4,
+                  dpo_steps=2, dpo_lrs=(1e-4, 3e-4), stage2_steps=2, stage2_lr=1e-4, cascade=2)
+             if args.smoke else
+             dict(shape="tiny", sft_records=4000, sample_questions=400, validation=0, test=0, k=8, sft_steps=300,
+                  dpo_steps=100, dpo_lrs=DPO_LRS, stage2_steps=300, stage2_lr=5e-4, cascade=8))
+    seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
+    start = pretrained_start(sizes["shape"])
+    root = workdir_of(args, STUDY)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    validation = pool_questions("validation", sizes["validation"])
+    test = pool_questions("test", sizes["test"])
 
-    def col(stage, key, scale=1.0):
-        return pm([s[stage][key] for s in per_seed], scale)
+    def config_for(workdir: Path, data: Path, model_path: Path, seed: int, **kw):
+        config = toy_config(workdir, data, shape=sizes["shape"], seed=seed, **kw)
+        config.model.path, config.tokenizer = str(model_path), ""  # the start's own toy tokenizer
+        return config
 
-    markdown = "Stage I (held-out questions; lengths in tokens of correct answers):\n\n" + table(
-        ["model", "greedy accuracy %", "greedy correct length", "sampled accuracy %", "sampled correct length"],
-        [[name, col(stage, "greedy_accuracy", 100), col(stage, "greedy_correct_length"),
-          col(stage, "sampled_accuracy", 100), col(stage, "sampled_correct_length")]
-         for name, stage in (("SFT", "before"), ("SFT + stage I (DPO)", "after_stage1"))])
-    markdown += f"\n\nStage-I pairs: {', '.join(str(s['stage1_data']) for s in per_seed)}.\n\nStage II:\n\n"
-    markdown += table(["τ", "refusal rate (held-out) %", "accuracy when answering %", "refusal share in training %"],
-                      [[tau, pm([s["stage2"][str(tau)]["refusal_rate"] for s in per_seed], 100),
-                        pm([s["stage2"][str(tau)]["accuracy_when_answering"] for s in per_seed], 100),
-                        pm([s["stage2_target_refusal_share"][str(tau)] for s in per_seed], 100)] for tau in TAUS])
-    markdown += "\n\nRouting to an exact solver (seed " + str(seeds[0]) + "):\n\n" + per_seed[0]["routing_table"]
-    summary = {mode: {k: [s["routing"]["summary"][mode][k] for s in per_seed] for k in ("toa", "toa_random", "togr")}
-               for mode in per_seed[0]["routing"]["summary"]}
-    markdown += "\n\n" + "\n".join(f"{mode}: ToA {pm(v['toa'], 1, 3)} vs random {pm(v['toa_random'], 1, 3)}, "
-                                   f"ToGR {pm(v['togr'], 1, 3)}" for mode, v in summary.items())
-    markdown += f"\n\nSeeds: {', '.join(map(str, seeds))}; {sizes['eval']} held-out questions; K = {sizes['k']}."
-    results = {"sizes": sizes, "seeds": seeds, "per_seed": per_seed}
-    write(args.out, STUDY, command=command_line(STUDY, argv), results=results, markdown=markdown, started=started)
+    def fitted(folder: Path, config) -> Path:
+        """Trains ``config`` into ``folder/run`` once and exports it to ``folder/hf``."""
+        if not (folder / "hf" / "config.json").exists():
+            train(config)
+            export(folder / "run", folder / "hf")
+        return folder / "hf"
+
+    def sft_model(seed: int) -> dict:
+        folder = root / f"seed{seed}" / "sft"
+
+        def fit():
+            begun = time.time()
+            data = write_jsonl(arithmetic(sizes["sft_records"], seed, style="mixed", pool="train"),
+                               folder / "train.jsonl")
+            fitted(folder, config_for(folder / "run", data, start, seed, steps=sizes["sft_steps"], lr=1e-3))
+            model, tokenizer, _ = restore_model(folder / "run")
+            train_q = [r["messages"][0]["content"] for r in arithmetic(sizes["sample_questions"], seed + 7,
+                                                                       pool="train")]
+            train_g = [r["answer"] for r in arithmetic(sizes["sample_questions"], seed + 7, pool="train")]
+            samples = answer(model, tokenizer, train_q, num_samples=sizes["k"], temperature=1.0,
+                             max_new_tokens=NEW_TOKENS, seed=seed)
+            pairs, counts = build_stage1(train_q, train_g, samples)
+            write_jsonl(pairs, folder / "stage1_pairs.jsonl")
+            return {"validation": greedy_stats(model, tokenizer, *validation), "test": greedy_stats(model, tokenizer,
+                                                                                                      *test),
+                    "stage1_data": counts, "train_questions": train_q, "train_golds": train_g,
+                    "seconds": round(time.time() - begun, 1)}
+
+        return {**cached_run(folder / "result.json", fit), "hf": folder / "hf", "pairs": folder / "stage1_pairs.jsonl"}
+
+    def stage1(seed: int, lr: float) -> dict:
+        folder = root / f"seed{seed}" / f"stage1_lr{lr:g}"
+        base = sft_model(seed)
+
+        if not base["stage1_data"]["pairs"]:  # no question had both a correct and a wrong sample (smoke size)
+            return {"lr": lr, "validation": base["validation"], "test": base["test"], "seconds": 0.0,
+                    "hf": base["hf"]}
+
+        def fit():
+            begun = time.time()
+            fitted(folder, config_for(folder / "run", base["pairs"], base["hf"], seed, objective="dpo",
+                                      steps=sizes["dpo_steps"], lr=lr, batch_size=16, params={"beta": 0.1}))
+            model, tokenizer, _ = restore_model(folder / "run")
+            return {"lr": lr, "validation": greedy_stats(model, tokenizer, *validation),
+                    "test": greedy_stats(model, tokenizer, *test), "seconds": round(time.time() - begun, 1)}
+
+        return {**cached_run(folder / "result.json", fit), "hf": folder / "hf"}
+
+    def stage2(seed: int, lr1: float) -> dict:
+        folder = root / f"seed{seed}" / "stage2"
+        base, first = sft_model(seed), stage1(seed, lr1)
+
+        def fit():
+            begun = time.time()
+            model1, tokenizer, _ = restore_model(first["hf"].parent / "run")
+            samples = answer(model1, tokenizer, base["train_questions"], num_samples=sizes["k"], temperature=1.0,
+                             max_new_tokens=NEW_TOKENS, seed=seed + 1)
+            records = build_stage2(base["train_questions"], base["train_golds"], samples, TAUS)
+            data = write_jsonl(records, folder / "train.jsonl")
+            fitted(folder, config_for(folder / "run", data, first["hf"], seed, steps=sizes["stage2_steps"],
+                                      lr=sizes["stage2_lr"], max_length=192))
+            model2, _, _ = restore_model(folder / "run")
+            report = evaluate_routing(model2, tokenizer, *test, large=None, taus=TAUS,
+                                      cascade_samples=sizes["cascade"], max_new_tokens=NEW_TOKENS,
+                                      cost=CostModel(small_price=1.0, large_price=LARGE_PRICE))
+            share = {f"{t:g}": float(np.mean([r["target"] == REFUSAL for r in records if r["tau"] == t]))
+                     for t in TAUS}
+            return {"routing": report, "target_refusal_share": share, "seconds": round(time.time() - begun, 1)}
+
+        return cached_run(folder / "result.json", fit)
+
+    # stage I's rate: over the sweep seeds, the shortest validation answers among rates that keep accuracy
+    sweep_seeds = seeds[:2]
+    sweep = {lr: [stage1(seed, lr) for seed in sweep_seeds] for lr in sizes["dpo_lrs"]}
+    sft_val = np.mean([sft_model(seed)["validation"]["accuracy"] for seed in sweep_seeds])
+    keeps = [lr for lr in sizes["dpo_lrs"]
+             if np.mean([r["validation"]["accuracy"] for r in sweep[lr]]) >= sft_val - MARGIN]
+    chosen = (min(keeps, key=lambda lr: np.nanmean([r["validation"]["correct_length"] for r in sweep[lr]]))
+              if keeps else max(sizes["dpo_lrs"], key=lambda lr: np.mean([r["validation"]["accuracy"]
+                                                                          for r in sweep[lr]])))
+    runs = [{"seed": seed, "sft": sft_model(seed), "stage1": stage1(seed, chosen), "stage2": stage2(seed, chosen)}
+            for seed in seeds]
+    if runs[0]["stage2"]["routing"]:
+        plot_routes(runs[0]["stage2"]["routing"], out / f"{STUDY}_routing.png",
+                    title=f"SATER routing on toy arithmetic (seed {seeds[0]})")
+    results = _results(runs, sweep, chosen, sft_val, sizes, seeds, start)
+    write(args.out, STUDY, command=command_line(STUDY, argv), results=results, markdown=_markdown(results),
+          started=started)
     return results
+
+
+def answered_accuracy(point: dict) -> float:
+    """Accuracy on the questions the small model answered at one pre-generation point (the exact solver gets the
+    routed ones right, so total = (1 - routed) x answered + routed)."""
+    routed = point["routed"]
+    return (point["accuracy"] - routed) / (1 - routed) if routed < 1 else float("nan")
+
+
+def _results(runs, sweep, chosen, sft_val, sizes, seeds, start) -> dict:
+    def stat(run, stage, key):
+        return run[stage]["test"][key]
+
+    length_gain = paired_difference([stat(r, "sft", "correct_length") for r in runs],
+                                    [stat(r, "stage1", "correct_length") for r in runs])
+    accuracy = paired_difference([stat(r, "stage1", "accuracy") for r in runs],
+                                 [stat(r, "sft", "accuracy") for r in runs])
+    selective = [next(p for p in r["stage2"]["routing"]["curves"]["pre_generation"]
+                      if abs(p["setting"] - SELECTIVE_TAU) < 1e-9) for r in runs]
+    selective_gain = paired_difference([answered_accuracy(p) for p in selective],
+                                       [stat(r, "stage1", "accuracy") for r in runs])
+    summary = {mode: {k: [r["stage2"]["routing"]["summary"][mode][k] for r in runs]
+                      for k in ("toa", "toa_random", "toa_golden", "togr")}
+               for mode in runs[0]["stage2"]["routing"]["summary"]}
+    comparisons = {
+        "stage I: correct-answer length, SFT − stage I (tokens)": length_gain,
+        "stage I: accuracy, stage I − SFT": accuracy,
+        f"stage II: accuracy when answering (τ = {SELECTIVE_TAU}) − stage-I accuracy": selective_gain,
+        **{f"{mode} routing: ToA − random ToA": paired_difference(v["toa"], v["toa_random"])
+           for mode, v in summary.items()},
+    }
+    shifted = {**accuracy, "low": accuracy["low"] + MARGIN, "high": accuracy["high"] + MARGIN}
+    verdicts = {name: verdict(d) for name, d in comparisons.items()}
+    verdicts["stage I: accuracy, stage I − SFT"] = verdict(shifted)  # non-inferiority: above −2 points
+    return {"sizes": {**sizes, "dpo_lrs": list(sizes["dpo_lrs"])}, "seeds": seeds, "start": start.name,
+            "stage1_lr": chosen, "sft_validation_accuracy": float(sft_val),
+            "sweep": {f"{lr:g}": {"validation_accuracy": [r["validation"]["accuracy"] for r in rs],
+                                  "validation_correct_length": [r["validation"]["correct_length"] for r in rs]}
+                      for lr, rs in sweep.items()},
+            "per_seed": [_clean(r) for r in runs], "routing_summary": summary, "comparisons": comparisons,
+            "verdicts": verdicts, "runs_note": runs_note([x for r in runs for x in (r["sft"], r["stage1"],
+                                                                                     r["stage2"])]),
+            "routing_table_first_seed": routing_table(runs[0]["stage2"]["routing"])}
+
+
+def _clean(run: dict) -> dict:
+    """A seed's results without paths or the training questions (JSON-able, short)."""
+    drop = {"hf", "pairs", "train_questions", "train_golds"}
+    return json.loads(json.dumps({stage: ({k: v for k, v in part.items() if k not in drop}
+                                          if isinstance(part, dict) else part) for stage, part in run.items()},
+                                 default=str))
+
+
+def _markdown(results: dict) -> str:
+    runs, sizes = results["per_seed"], results["sizes"]
+
+    def col(stage, split, key, scale=1.0, digits=1):
+        return ci_text([r[stage][split][key] for r in runs], scale, digits)
+
+    sweep = table(["stage-I lr", "validation accuracy %", "validation correct length (tokens)", "chosen"],
+                  [[lr, f"{100 * np.mean(v['validation_accuracy']):.1f}",
+                    f"{np.nanmean(v['validation_correct_length']):.2f}",
+                    "yes" if float(lr) == results["stage1_lr"] else ""] for lr, v in results["sweep"].items()])
+    text = (f"Stage-I learning-rate sweep (seeds {results['seeds'][:2]}; the SFT model's validation accuracy "
+            f"{100 * results['sft_validation_accuracy']:.1f} %; rule: shortest answers among rates within "
+            f"{100 * MARGIN:.0f} points of it):\n\n{sweep}\n\n")
+    text += "Test pool, mean [95 % CI] over seeds:\n\n" + table(
+        ["model", "greedy accuracy %", "greedy correct length (tokens)"],
+        [[name, col(stage, "test", "accuracy", 100), col(stage, "test", "correct_length", 1, 2)]
+         for name, stage in (("SFT", "sft"), ("SFT + stage I (DPO)", "stage1"))])
+    text += "\n\nStage II on the test pool (pre-generation prompts; mean [95 % CI]):\n\n" + table(
+        ["τ", "refusal rate %", "accuracy when answering %", "refusal share in its training targets %"],
+        [[f"{tau:g}", ci_text([_point(r, tau)["routed"] for r in runs], 100),
+          ci_text([answered_accuracy(_point(r, tau)) for r in runs], 100),
+          ci_text([r["stage2"]["target_refusal_share"][f"{tau:g}"] for r in runs], 100)] for tau in TAUS])
+    text += "\n\nRouting (area under the accuracy-cost curve, mean [95 % CI]):\n\n" + table(
+        ["mode", "ToA", "random routing", "golden routing", "ToGR"],
+        [[mode, ci_text(v["toa"], 1, 3), ci_text(v["toa_random"], 1, 3), ci_text(v["toa_golden"], 1, 3),
+          ci_text(v["togr"], 1, 3)] for mode, v in results["routing_summary"].items()])
+    text += "\n\nPaired by seed:\n\n" + _differences(results)
+    text += (f"\n\nRouting table of seed {results['seeds'][0]}:\n\n{results['routing_table_first_seed']}\n\n"
+             f"Seeds {', '.join(map(str, results['seeds']))}; start `{results['start']}`; {sizes['sft_steps']} SFT "
+             f"steps, stage I {sizes['dpo_steps']} DPO steps (lr {results['stage1_lr']:g}), stage II "
+             f"{sizes['stage2_steps']} SFT steps (lr {sizes['stage2_lr']:g}); K = {sizes['k']} samples on "
+             f"{sizes['sample_questions']} training questions; stage-I pairs per seed: "
+             f"{', '.join(str(r['sft']['stage1_data']['pairs']) for r in runs)}. {results['runs_note']}")
+    return text
+
+
+def _differences(results: dict) -> str:
+    rows = []
+    for name, d in results["comparisons"].items():
+        scale, unit = (1.0, "tokens") if "tokens" in name else ((1.0, "area") if "ToA" in name else (100.0, "points"))
+        digits = 3 if unit == "area" else (2 if unit == "tokens" else 1)
+        low, high = (f"{scale * d[k]:+.{digits}f}" for k in ("low", "high"))
+        rows.append([name, f"{scale * d['mean']:+.{digits}f} {unit}", f"[{low}, {high}]", f"{d['p']:.3f}",
+                     results["verdicts"][name]])
+    return table(["claim (difference)", "mean", "95 % CI", "paired t-test p", "verdict"], rows)
+
+
+def _point(run: dict, tau: float) -> dict:
+    return next(p for p in run["stage2"]["routing"]["curves"]["pre_generation"] if abs(p["setting"] - tau) < 1e-9)
 
 
 if __name__ == "__main__":

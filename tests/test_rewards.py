@@ -81,6 +81,11 @@ def test_code_tests_pass_canonical_solutions_and_fail_wrong_ones(humaneval):
     assert reward(prompts, ["    return None\n"] * 6, **fields) == [0.0] * 6
     fenced = [f"Here you go:\n```python\n{p['prompt']}{p['canonical_solution']}```\n" for p in problems]
     assert reward(["(chat prompt)"] * 6, fenced, **fields) == [1.0] * 6  # a whole function in a code block
+    # a chat model re-states the function in a block without the prompt's imports: they stay defined
+    bare = [p["prompt"].replace("from typing import List\n", "") for p in problems]
+    assert any(b != p["prompt"] for b, p in zip(bare, problems, strict=True))
+    fenced = [f"```python\n{b}{p['canonical_solution']}```" for b, p in zip(bare, problems, strict=True)]
+    assert reward(prompts, fenced, **fields) == [1.0] * 6
     assert reward(prompts, ["x"] * 6) == [None] * 6  # records without tests
 
 

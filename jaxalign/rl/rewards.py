@@ -16,6 +16,7 @@ record's tests in a subprocess with a time and memory limit; HumanEval's ``promp
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import math
@@ -135,11 +136,17 @@ _CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
 
 def program_of(prompt: str, completion: str, test: str, entry_point: str) -> str:
     """The program a completion is judged by: the completion's first fenced code block when it defines
-    ``entry_point`` itself, else the prompt (a signature and docstring) continued by the completion; then the
-    record's ``test`` and ``check(entry_point)``."""
+    ``entry_point`` itself (after the prompt when the prompt is Python, as HumanEval's signature-and-docstring
+    prompts are, so the prompt's imports and helpers stay defined and the block's function replaces the stub),
+    else the prompt continued by the completion; then the record's ``test`` and ``check(entry_point)``."""
     block = _CODE_BLOCK.search(completion)
     if block and re.search(rf"def\s+{re.escape(entry_point)}\s*\(", block.group(1)):
         body = block.group(1)
+        try:
+            ast.parse(prompt)
+            body = f"{prompt}\n{body}"
+        except SyntaxError:
+            pass
     else:
         body = prompt + completion
     return f"{body}\n\n{test}\n\ncheck({entry_point})\n"
