@@ -54,12 +54,15 @@ def workdir_of(args, study: str) -> Path:
 
 def toy_config(workdir: Path, train_path, *, objective: str = "sft", steps: int, shape: str = "tiny",
                seed: int = 0, batch_size: int = 32, lr: float = 3e-3, max_length: int = 64, warmup: int = 50,
-               params: dict | None = None, eval_path: str = "", reference: str = "model"):
-    """A training config on local JSONL files with the toy tokenizer, no mid-run evals, quiet."""
+               params: dict | None = None, eval_path: str = "", reference: str = "model", start=None):
+    """A training config on local JSONL files with the toy tokenizer, no mid-run evals, quiet. ``start``: a model
+    folder to fine-tune (a pretrained start or an earlier stage's export), with its own (toy) tokenizer."""
     config = base.get_config()
     config.seed = seed
     config.workdir = str(workdir)
     config.tokenizer = "toy"
+    if start is not None:
+        config.model.path, config.tokenizer = str(start), ""
     config.model.shape.update(SHAPES[shape])
     config.data.train = str(train_path)
     config.data.eval = str(eval_path)

@@ -139,11 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     def config_for(workdir: Path, data: Path, objective: str, params: dict, steps: int, lr: float, seed: int,
                    model_path: Path):
-        config = toy_config(workdir, data, objective=objective, steps=steps, seed=seed, lr=lr, params=params,
-                            shape=sizes["shape"], max_length=96)
-        config.model.path = str(model_path)
-        config.tokenizer = ""  # the start's own (the toy tokenizer, exported with it)
-        return config
+        return toy_config(workdir, data, objective=objective, steps=steps, seed=seed, lr=lr, params=params,
+                          shape=sizes["shape"], max_length=96, start=model_path)
 
     def seed_data(seed: int) -> tuple[list[dict], list[dict]]:
         records = mpo_records(sizes["dominant"] + sizes["pairs"], seed, pool="train")

@@ -95,8 +95,7 @@ def run_seed(seed: int, sizes: dict, root: Path, start: Path, validation: list[d
         begun = time.time()
         base_cfg = toy_config(folder / "base", write_jsonl(base_corpus(sizes["base_records"], seed),
                                                            folder / "base.jsonl"),
-                              steps=sizes["base_steps"], shape=sizes["base_shape"], seed=seed, lr=1e-3)
-        base_cfg.model.path, base_cfg.tokenizer = str(start), ""
+                              steps=sizes["base_steps"], shape=sizes["base_shape"], seed=seed, lr=1e-3, start=start)
         small_cfg = toy_config(folder / "aligned", write_jsonl(chat_records(sizes["chat_records"], seed),
                                                                folder / "chat.jsonl"),
                                steps=sizes["chat_steps"], shape=sizes["aligned_shape"], seed=seed, lr=2e-3)

@@ -111,11 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     def config_for(workdir: Path, data: Path, objective: str, params: dict, steps: int, lr: float, seed: int,
                    model_path: Path):
-        config = toy_config(workdir, data, objective=objective, steps=steps, seed=seed, lr=lr, params=params,
-                            shape=sizes["shape"])
-        config.model.path = str(model_path)
-        config.tokenizer = ""  # the start's own (the toy tokenizer, exported with it)
-        return config
+        return toy_config(workdir, data, objective=objective, steps=steps, seed=seed, lr=lr, params=params,
+                          shape=sizes["shape"], start=model_path)
 
     def sft_model(seed: int) -> Path:
         """The seed's SFT model (trained once, shared by the sft, dpo and simpo arms)."""

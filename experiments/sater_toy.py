@@ -62,7 +62,7 @@ TAUS = (0.1, 0.3, 0.5, 0.7, 0.9)
 SELECTIVE_TAU = 0.5  # the threshold at which stage II's selective accuracy is tested
 LARGE_PRICE = 50.0  # per token, against 1 for the small model (a large model costs far more per token)
 MARGIN = 0.02  # stage I "keeps accuracy": its loss is under 2 points (decided before the runs)
-DPO_LRS = (3e-5, 1e-4, 3e-4)
+DPO_LRS = (1e-5, 3e-5, 1e-4)
 NEW_TOKENS = 32
 
 
@@ -81,13 +81,16 @@ def greedy_stats(model, tokenizer, questions, golds) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    args = parser(__doc__).parse_args(argv)
+    p = parser(__doc__)
+    p.add_argument("--full", action="store_true", help="300 SFT and 300 stage-II steps (default 200 and 150)")
+    args = p.parse_args(argv)
     started = time.time()
     sizes = (dict(shape="smoke", sft_records=300, sample_questions=24, validation=16, test=16, k=4, sft_steps=4,
                   dpo_steps=2, dpo_lrs=(1e-4, 3e-4), stage2_steps=2, stage2_lr=1e-4, cascade=2)
              if args.smoke else
-             dict(shape="tiny", sft_records=4000, sample_questions=400, validation=0, test=0, k=8, sft_steps=300,
-                  dpo_steps=100, dpo_lrs=DPO_LRS, stage2_steps=300, stage2_lr=5e-4, cascade=8))
+             dict(shape="tiny", sft_records=4000, sample_questions=400, validation=0, test=0, k=8,
+                  sft_steps=300 if args.full else 200, dpo_steps=100, dpo_lrs=DPO_LRS,
+                  stage2_steps=300 if args.full else 150, stage2_lr=5e-4, cascade=8))
     seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
     start = pretrained_start(sizes["shape"])
     root = workdir_of(args, STUDY)
@@ -97,9 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     test = pool_questions("test", sizes["test"])
 
     def config_for(workdir: Path, data: Path, model_path: Path, seed: int, **kw):
-        config = toy_config(workdir, data, shape=sizes["shape"], seed=seed, **kw)
-        config.model.path, config.tokenizer = str(model_path), ""  # the start's own toy tokenizer
-        return config
+        return toy_config(workdir, data, shape=sizes["shape"], seed=seed, start=model_path, **kw)
 
     def fitted(folder: Path, config) -> Path:
         """Trains ``config`` into ``folder/run`` once and exports it to ``folder/hf``."""
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {**cached_run(folder / "result.json", fit), "hf": folder / "hf"}
 
     def stage2(seed: int, lr1: float) -> dict:
-        folder = root / f"seed{seed}" / "stage2"
+        folder = root / f"seed{seed}" / f"stage2_from_lr{lr1:g}"
         base, first = sft_model(seed), stage1(seed, lr1)
 
         def fit():

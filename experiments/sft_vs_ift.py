@@ -101,9 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
                 write_jsonl(arithmetic(sizes["train"], seed, pool="train"), data)
             objective, params = ARMS[arm]
             config = toy_config(workdir, data, objective=objective, steps=sizes["steps"], seed=seed, lr=lr,
-                                params=params, shape=sizes["shape"])
-            config.model.path = str(start)
-            config.tokenizer = ""  # the start's own (the toy tokenizer, exported with it)
+                                params=params, shape=sizes["shape"], start=start)
             begun = time.time()
             train(config)
             model, tokenizer, _ = restore_model(workdir)
