@@ -141,7 +141,7 @@ def score(model, tokenizer, rows: list[dict], new_tokens: int) -> dict:
 
 
 def arm_config(arm: str, workdir: Path, model_path: str, train_path, steps: int, seed: int, max_length: int,
-               smoke: bool):
+               smoke: bool, batch: int = BATCH):
     config = base.get_config()
     config.seed = seed
     config.model.path = model_path
@@ -163,7 +163,7 @@ def arm_config(arm: str, workdir: Path, model_path: str, train_path, steps: int,
         config.reference.cache_dir = str(workdir.parent / "reference_cache")
     presets.frozen_pretrained_table(config)  # IFT: the official frozen input table and per-sequence mean
     config.optim.update(lr=1e-3 if smoke else 1e-5, warmup_steps=max(steps // 10, 1), schedule="cosine")
-    config.train.update(steps=steps, batch_size=BATCH, log_every=max(steps // 4, 1), eval_every=0,
+    config.train.update(steps=steps, batch_size=batch, log_every=max(steps // 4, 1), eval_every=0,
                         save_every=steps, keep_checkpoints=1, resume=False)
     config.eval.generate = 0
     config.logging.update(tensorboard=False, plot=False, progress=False)
@@ -212,14 +212,15 @@ def main(argv: list[str] | None = None) -> dict:
              for r, text, ok in zip(train_rows, start["train_texts"], start["train_passed"], strict=True) if not ok]
     paths = {"sft": write_jsonl(sft_records, root / "sft_train.jsonl"),
              "dpo": write_jsonl(pairs, root / "dpo_train.jsonl")}
-    steps = max(1, math.ceil(args.epochs * len(sft_records) / BATCH))
+    batch = 8 if args.smoke else BATCH  # the tests' 8 fake devices need a multiple of 8
+    steps = max(1, math.ceil(args.epochs * len(sft_records) / batch))
     del start_model
 
     def run_arm(arm: str, seed: int):
         def fn():
             folder = root / f"{arm}_s{seed}"
             config = arm_config(arm, folder, model_path, paths["dpo" if arm == "dpo" else "sft"], steps, seed,
-                                args.max_length, args.smoke)
+                                args.max_length, args.smoke, batch)
             config.data.on_invalid = "skip"  # a DPO pair whose rejected text overflows is left out (counted)
             model, _, summary = train_model(config)
             t0 = time.time()
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "dpo" in arms:
         claims["DPO > its start"] = comparisons[f"{LABELS['dpo']} − start"]
     results = {
-        "model": Path(model_path).name, "seeds": seeds, "steps": steps, "batch": BATCH,
+        "model": Path(model_path).name, "seeds": seeds, "steps": steps, "batch": batch,
         "train_problems": len(train_rows), "test_problems": len(test_rows), "dpo_pairs": len(pairs),
         "start": {"pass_at_1": start_rate, "parse_rate": float(np.mean(start["parses"])),
                   "nll_per_token": start["nll_per_token"], "train_pass_at_1": float(np.mean(start["train_passed"])),
