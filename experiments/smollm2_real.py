@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 from common import (
     cached_run,
+    ci_text,
     command_line,
     completion_logps,
     differences_table,
@@ -55,7 +56,7 @@ from jaxalign.data.toy import toy_tokenizer, write_jsonl
 from jaxalign.models import LlamaConfig, create_model, load_pretrained, save_hf
 from jaxalign.models.auto import bundled_smollm2
 from jaxalign.rl.rewards import CodeTests
-from jaxalign.sampling import generate, left_pad
+from jaxalign.train.evaluate import greedy_answers
 from jaxalign.train.export import export
 
 REQUIRES = ("torch",)  # the export check loads the folder in transformers (tests skip without it)
@@ -99,17 +100,10 @@ def fits(tokenizer, row: dict, completion: str, max_length: int) -> bool:
     return len(head) + len(tokenizer(completion, add_special_tokens=False)["input_ids"]) + 1 <= max_length
 
 
-def completions(model, tokenizer, rows: list[dict], max_new_tokens: int, batch_size: int = 48) -> list[str]:
+def completions(model, tokenizer, rows: list[dict], max_new_tokens: int) -> list[str]:
     """Greedy completions of each problem's chat prompt."""
-    texts = []
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
-        prompts = [as_tokenizer(tokenizer).encode_prompt(INSTRUCTION + r["prompt"]) for r in chunk]
-        tokens, mask = left_pad(prompts, tokenizer.pad_token_id or 0)
-        out = np.asarray(generate(model, tokens, prompt_mask=mask, max_new_tokens=max_new_tokens,
-                                  eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id or 0))
-        texts += [tokenizer.decode(row, skip_special_tokens=True) for row in out]
-    return texts
+    return greedy_answers(model, tokenizer, [prompt_of(r) for r in rows], max_new_tokens=max_new_tokens,
+                          batch_size=48)
 
 
 def passes(rows: list[dict], texts: list[str]) -> list[float]:
@@ -279,18 +273,14 @@ def export_parity(run_dir: Path, out: Path, tokenizer) -> dict:
     return {"folder": str(out), "max_abs_logit_diff": float(np.abs(mine - reference).max()), "tokens": len(ids)}
 
 
-def _ci(values, scale: float = 100.0, digits: int = 1) -> str:
-    mean, low, high = (scale * v for v in t_interval(values))
-    return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
-
-
 def _markdown(results: dict) -> str:
     start = results["start"]
     rows = [[LABELS["start"], f"{100 * start['pass_at_1']:.1f}", "-", f"{100 * start['parse_rate']:.0f}",
              f"{start['nll_per_token']:.3f}", "-"]]
     for arm, run in results["arms"].items():
-        rows.append([LABELS[arm], _ci(run["pass_at_1"]), " / ".join(f"{100 * v:.1f}" for v in run["pass_at_1"]),
-                     f"{100 * np.mean(run['parse_rate']):.0f}", _ci(run["nll_per_token"], 1.0, 3),
+        per_seed = " / ".join(f"{100 * v:.1f}" for v in run["pass_at_1"])
+        rows.append([LABELS[arm], ci_text(run["pass_at_1"], 100), per_seed,
+                     f"{100 * np.mean(run['parse_rate']):.0f}", ci_text(run["nll_per_token"], 1.0, 3),
                      f"{np.mean(run['seconds']):.0f}"])
     text = table(["arm", "test pass@1 %, mean [95 % CI]", "per seed", "completions that parse %",
                   "test NLL/token of the canonical solutions", "seconds per run"], rows)
