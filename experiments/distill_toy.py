@@ -1,121 +1,161 @@
-"""Distillation vs SFT on toy arithmetic: a small student trained on the same data, by SFT or by distilling a larger
-teacher's next-token distributions (GKD's generalized JSD), same optimizer steps, batch and data.
+"""Distillation vs SFT on toy arithmetic (fair-test protocol): a small student trained on the same data, by SFT or
+by distilling a larger teacher's next-token distributions (GKD's generalized JSD), same start, steps, batch and data.
 
-The teacher (4 layers × 128) is trained once by SFT on the training questions. Each student (2 layers × 64) starts
-from its seed's random initialisation. Each arm is tuned on a validation split (never the test questions): SFT over
-the learning rate; distillation over the learning rate and the method: off-policy forward KL (β = 0, the classic
-KD), and GKD's on-policy mix (half the steps on the student's own samples, λ = 0.5) with β = 0 and with GKD's default
-β = 0.5. The test accuracy at the chosen setting is reported for every seed, with a 95 % confidence interval (t
-distribution) for the paired difference. Metric: held-out exact match of the greedy answer (the toy's own metric).
-On-policy steps also spend compute on sampling (reported as seconds per run).
+* Starts: the shared pretrained starts (`experiments/pretrained.py`) at both shapes. The teacher fine-tunes the
+  tiny one (4 layers x 128) by SFT on the train pool, once. The student's start is the small one (2 layers x 64)
+  after a short SFT warm-up on the same data, once (seed 0): GKD's paper starts every student from a supervised
+  fine-tuned checkpoint, and its on-policy samples mean little before the student has the answer format.
+* Arms, each continuing from that student start and tuned over the learning rate on the validation pool (seeds 0
+  and 1): SFT; off-policy KD (forward KL to the teacher on the data's completions, β = 0, the classic KD); GKD
+  on-policy (half the steps on the student's own samples, λ = 0.5, 8 new tokens at temperature 1) with GKD's
+  default β = 0.5.
+* Metric: greedy exact match on the test pool (the toy's own metric); 5 seeds (the data order and the sampling);
+  paired by seed: each distillation arm − SFT with its 95 % t interval, a paired t-test and a verdict on
+  "distillation > SFT". On-policy steps also spend compute on sampling (seconds per run are reported).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
-from common import command_line, parser, pm, seeds_of, t_interval, table, toy_config, train_model, workdir_of, write
+from common import (
+    cached_run,
+    ci_text,
+    command_line,
+    differences_table,
+    paired_difference,
+    parser,
+    runs_note,
+    seeds_of,
+    sweep_summary,
+    sweep_table,
+    table,
+    toy_config,
+    tuned_arms,
+    verdict,
+    workdir_of,
+    write,
+)
+from pretrained import pretrained_start
 
-from jaxalign.data.toy import arithmetic, write_jsonl
+from jaxalign.data.toy import arithmetic, arithmetic_pool, write_jsonl
+from jaxalign.train import train
 from jaxalign.train.evaluate import exact_match
+from jaxalign.train.export import export, restore_model
 
 STUDY = "distill_toy"
-ARMS = ("sft", "distill")
-# distillation's methods (the second tuned setting): objective parameters besides the teacher
-METHODS = {"kd": {"beta": 0.0}, "gkd_fkl": {"beta": 0.0, "lmbda": 0.5}, "gkd_jsd": {"beta": 0.5, "lmbda": 0.5}}
+# arm: (objective, objective parameters besides the teacher)
+ARMS = {"sft": ("sft", {}), "kd": ("distill", {"beta": 0.0}), "gkd": ("distill", {"beta": 0.5, "lmbda": 0.5})}
+LABELS = {"sft": "SFT", "kd": "KD (off-policy, β = 0)", "gkd": "GKD (on-policy λ = 0.5, β = 0.5)"}
+LRS = (3e-4, 1e-3, 3e-3)
+TEACHER_LR = 1e-3
+WARMUP_LR = 3e-3  # the student's SFT warm-up (the rate SFT chose from the raw start)
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parser(__doc__).parse_args(argv)
     started = time.time()
-    sizes = (dict(train=200, valid=8, test=8, teacher_steps=4, steps=4, teacher="smoke", student="smoke",
-                  lrs=(3e-3,)) if args.smoke
-             else dict(train=4000, valid=100, test=200, teacher_steps=1500, steps=800, teacher="tiny",
-                       student="small", lrs=(1e-3, 3e-3)))
-    seeds = seeds_of(args, (0, 1, 2, 3, 4))
+    sizes = (dict(train=200, validation=8, test=8, teacher_steps=4, warmup_steps=2, steps=4, teacher="smoke",
+                  student="smoke", lrs=(3e-3,)) if args.smoke
+             else dict(train=4000, validation=0, test=0, teacher_steps=1200, warmup_steps=150, steps=400,
+                       teacher="tiny", student="small", lrs=LRS))
+    seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
     root = workdir_of(args, STUDY)
-    test = arithmetic(sizes["test"], 20_000)
-    valid = arithmetic(sizes["valid"], 30_000)
-    held = {r["messages"][0]["content"] for r in [*test, *valid]}
-    train_records = [r for r in arithmetic(sizes["train"], 7) if r["messages"][0]["content"] not in held]
-    path = write_jsonl(train_records, root / "train.jsonl")
-    teacher_cfg = toy_config(root / "teacher", path, steps=sizes["teacher_steps"], shape=sizes["teacher"], seed=100)
-    teacher, tokenizer, _ = train_model(teacher_cfg)
-    teacher_accuracy = exact_match(teacher, tokenizer, test)
-    settings = {"sft": [(lr, None) for lr in sizes["lrs"]],
-                "distill": [(lr, method) for lr in sizes["lrs"] for method in METHODS]}
-    runs = {}
-    for arm in ARMS:
-        for lr, method in settings[arm]:
-            for seed in seeds:
-                params = ({"teacher": str(root / "teacher"), "max_new_tokens": 8, **METHODS[method]}
-                          if arm == "distill" else {})
-                name = f"{arm}_lr{lr:g}" + (f"_{method}" if method is not None else "") + f"_seed{seed}"
-                config = toy_config(root / name, path, objective=arm, steps=sizes["steps"], shape=sizes["student"],
-                                    seed=seed, lr=lr, params=params)
-                model, tok, summary = train_model(config)
-                runs[(arm, lr, method, seed)] = {"valid": exact_match(model, tok, valid),
-                                                 "test": exact_match(model, tok, test), "seconds": summary["seconds"]}
+    validation = arithmetic_pool("validation")[: sizes["validation"] or None]
+    test = arithmetic_pool("test")[: sizes["test"] or None]
+    teacher_start, student_start = pretrained_start(sizes["teacher"]), pretrained_start(sizes["student"])
+    data = write_jsonl(arithmetic(sizes["train"], 7, pool="train"), root / "train.jsonl")
 
-    def mean_valid(arm, setting):
-        return np.mean([runs[(arm, *setting, s)]["valid"] for s in seeds])
+    def config_for(workdir: Path, objective: str, params: dict, steps: int, lr: float, seed: int, shape: str,
+                   start: Path):
+        return toy_config(workdir, data, objective=objective, steps=steps, shape=shape, seed=seed, lr=lr,
+                          params=params, start=start)
 
-    chosen = {arm: max(settings[arm], key=lambda setting, arm=arm: mean_valid(arm, setting)) for arm in ARMS}
-    test_by_arm = {arm: [runs[(arm, *chosen[arm], s)]["test"] for s in seeds] for arm in ARMS}
-    diff = np.asarray(test_by_arm["distill"]) - np.asarray(test_by_arm["sft"])
-    mean, low, high = t_interval(diff * 100)
-    sweep = [[arm, f"{lr:g}", "" if method is None else describe(method),
-              pm([runs[(arm, lr, method, s)]["valid"] for s in seeds], 100),
-              pm([runs[(arm, lr, method, s)]["test"] for s in seeds], 100),
-              f"{np.mean([runs[(arm, lr, method, s)]['seconds'] for s in seeds]):.0f}",
-              "yes" if (lr, method) == chosen[arm] else ""]
-             for arm in ARMS for lr, method in settings[arm]]
-    markdown = table(["arm", "learning rate", "method", "validation accuracy %", "test accuracy %", "seconds per run",
-                      "chosen"], sweep)
-    markdown += (f"\n\nTeacher ({sizes['teacher']} shape, {sizes['teacher_steps']} SFT steps): test accuracy "
-                 f"{100 * teacher_accuracy:.1f} %. Students: {sizes['student']} shape, {sizes['steps']} steps of batch "
-                 f"32, seeds {', '.join(map(str, seeds))}; {sizes['test']} test and {sizes['valid']} validation "
-                 f"questions.\n\nAt each arm's chosen rate: SFT {pm(test_by_arm['sft'], 100)} %, distillation "
-                 f"{pm(test_by_arm['distill'], 100)} %; distillation − SFT = {mean:+.1f} points (95 % CI "
-                 f"[{low:+.1f}, {high:+.1f}], paired by seed).")
-    results = {"sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in sizes.items()}, "seeds": seeds,
-               "teacher_test_accuracy": teacher_accuracy, "chosen": {arm: list(c) for arm, c in chosen.items()},
-               "methods": METHODS,
-               "runs": {f"{arm}@lr={lr:g}@method={method}@seed={seed}": v
-                        for (arm, lr, method, seed), v in runs.items()},
-               "difference_points": {"mean": mean, "low": low, "high": high}}
-    write(args.out, STUDY, command=command_line(STUDY, argv), results=results, markdown=markdown, started=started)
+    def fit_teacher() -> dict:
+        train(config_for(root / "teacher" / "run", "sft", {}, sizes["teacher_steps"], TEACHER_LR, 100,
+                         sizes["teacher"], teacher_start))
+        export(root / "teacher" / "run", root / "teacher" / "hf")
+        model, tokenizer, _ = restore_model(root / "teacher" / "run")
+        return {"test": exact_match(model, tokenizer, test), "validation": exact_match(model, tokenizer, validation)}
+
+    teacher = cached_run(root / "teacher" / "result.json", fit_teacher)
+
+    def fit_student_start() -> dict:
+        train(config_for(root / "student_start" / "run", "sft", {}, sizes["warmup_steps"], WARMUP_LR, 0,
+                         sizes["student"], student_start))
+        export(root / "student_start" / "run", root / "student_start" / "hf")
+        model, tokenizer, _ = restore_model(root / "student_start" / "run")
+        return {"test": exact_match(model, tokenizer, test), "validation": exact_match(model, tokenizer, validation)}
+
+    warm = cached_run(root / "student_start" / "result.json", fit_student_start)
+
+    def run_one(arm: str, lr: float, seed: int) -> dict:
+        workdir = root / f"seed{seed}" / arm / f"lr{lr:g}"
+
+        def fit() -> dict:
+            objective, params = ARMS[arm]
+            if objective == "distill":
+                params = {"teacher": str(root / "teacher" / "hf"), "max_new_tokens": 8, **params}
+            begun = time.time()
+            train(config_for(workdir / "run", objective, params, sizes["steps"], lr, seed, sizes["student"],
+                             root / "student_start" / "hf"))
+            model, tokenizer, _ = restore_model(workdir / "run")
+            return {"arm": arm, "lr": lr, "seed": seed, "validation": exact_match(model, tokenizer, validation),
+                    "test": exact_match(model, tokenizer, test), "seconds": round(time.time() - begun, 1)}
+
+        return cached_run(workdir / "result.json", fit)
+
+    tuned = tuned_arms(ARMS, sizes["lrs"], seeds, seeds[:2], run_one)
+    tests = {arm: [r["test"] for r in tuned["runs"][arm]] for arm in ARMS}
+    comparisons = {f"{LABELS[arm]} − SFT": paired_difference(tests[arm], tests["sft"]) for arm in ("kd", "gkd")}
+    results = {"sizes": {**sizes, "lrs": list(sizes["lrs"]), "validation": len(validation), "test": len(test)},
+               "seeds": seeds, "starts": [teacher_start.name, student_start.name], "teacher": teacher,
+               "student_start": warm,
+               "chosen": tuned["chosen"], "sweep": sweep_summary(tuned), "runs": tuned["runs"],
+               "comparisons": comparisons, "verdicts": {name: verdict(d) for name, d in comparisons.items()},
+               "all_runs": tuned["every"]}
+    write(args.out, STUDY, command=command_line(STUDY, argv), results=results, markdown=_markdown(results),
+          started=started)
     plot(results, f"{args.out}/{STUDY}.png")
     return results
 
 
-def describe(method: str) -> str:
-    params = METHODS[method]
-    on = f"on-policy λ = {params['lmbda']:g}" if params.get("lmbda") else "off-policy"
-    return f"{on}, β = {params['beta']:g}"
+def _markdown(results: dict) -> str:
+    sizes = results["sizes"]
+    main = table(["arm", "learning rate", "test exact match, % (95 % CI)", "per seed, %", "seconds per run"],
+                 [[LABELS[arm], f"{results['chosen'][arm]:g}", ci_text([r["test"] for r in runs], 100),
+                   ", ".join(f"{100 * r['test']:.1f}" for r in runs), f"{np.mean([r['seconds'] for r in runs]):.0f}"]
+                  for arm, runs in results["runs"].items()])
+    return (f"Learning-rate sweep (validation exact match %, mean of seeds {results['seeds'][:2]}, "
+            f"{sizes['validation']} questions):\n\n{sweep_table(results, LABELS)}\n\nTest pool ({sizes['test']} "
+            f"questions), seeds {', '.join(map(str, results['seeds']))}; students: the {sizes['student']} start "
+            f"after {sizes['warmup_steps']} SFT steps (test exact match {100 * results['student_start']['test']:.1f} "
+            f"%), then {sizes['steps']} steps of batch 32; teacher: the {sizes['teacher']} start + "
+            f"{sizes['teacher_steps']} SFT steps, test exact match {100 * results['teacher']['test']:.1f} %:"
+            f"\n\n{main}\n\n"
+            + differences_table(results["comparisons"], verdicts=True) + "\n\n" + runs_note(results["all_runs"]))
 
 
 def plot(results: dict, path) -> None:
-    """Test accuracy of each arm at its chosen setting: the mean, and each seed as a dot."""
+    """Test accuracy of each arm at its chosen rate: the mean, and each seed as a dot."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(4, 3))
-    for i, arm in enumerate(ARMS):
-        lr, method = results["chosen"][arm]
-        values = [100 * results["runs"][f"{arm}@lr={lr:g}@method={method}@seed={s}"]["test"]
-                  for s in results["seeds"]]
-        ax.bar(i, np.mean(values), color=["#999", "#3a7"][i], alpha=0.7)
+    fig, ax = plt.subplots(figsize=(4.5, 3))
+    for i, (arm, runs) in enumerate(results["runs"].items()):
+        values = [100 * r["test"] for r in runs]
+        ax.bar(i, np.mean(values), color="#3a7" if arm != "sft" else "#999", alpha=0.7)
         ax.scatter([i] * len(values), values, color="k", s=12, zorder=3)
-    ax.axhline(100 * results["teacher_test_accuracy"], color="#c33", ls="--", lw=1, label="teacher")
-    ax.set_xticks(range(len(ARMS)), ["SFT", "distillation"])
-    ax.set_ylabel("held-out exact match %")
-    ax.set_title("Small student, same data and steps", fontsize=9)
+    ax.axhline(100 * results["teacher"]["test"], color="#c33", ls="--", lw=1, label="teacher")
+    ax.set_xticks(range(len(results["runs"])), [LABELS[a].split(" (")[0] for a in results["runs"]])
+    ax.set_ylabel("test exact match %")
+    ax.set_title("Small student, same start, data and steps", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
