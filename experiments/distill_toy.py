@@ -75,23 +75,21 @@ def main(argv: list[str] | None = None) -> dict:
         return toy_config(workdir, data, objective=objective, steps=steps, shape=shape, seed=seed, lr=lr,
                           params=params, start=start)
 
-    def fit_teacher() -> dict:
-        train(config_for(root / "teacher" / "run", "sft", {}, sizes["teacher_steps"], TEACHER_LR, 100,
-                         sizes["teacher"], teacher_start))
-        export(root / "teacher" / "run", root / "teacher" / "hf")
-        model, tokenizer, _ = restore_model(root / "teacher" / "run")
-        return {"test": exact_match(model, tokenizer, test), "validation": exact_match(model, tokenizer, validation)}
+    def sft_model(name: str, steps: int, lr: float, seed: int, shape: str, start: Path) -> dict:
+        """SFT from ``start`` into ``root/name`` once, exported to ``root/name/hf``; its exact match."""
+        folder = root / name
 
-    teacher = cached_run(root / "teacher" / "result.json", fit_teacher)
+        def fit() -> dict:
+            train(config_for(folder / "run", "sft", {}, steps, lr, seed, shape, start))
+            export(folder / "run", folder / "hf")
+            model, tokenizer, _ = restore_model(folder / "run")
+            return {"test": exact_match(model, tokenizer, test),
+                    "validation": exact_match(model, tokenizer, validation)}
 
-    def fit_student_start() -> dict:
-        train(config_for(root / "student_start" / "run", "sft", {}, sizes["warmup_steps"], WARMUP_LR, 0,
-                         sizes["student"], student_start))
-        export(root / "student_start" / "run", root / "student_start" / "hf")
-        model, tokenizer, _ = restore_model(root / "student_start" / "run")
-        return {"test": exact_match(model, tokenizer, test), "validation": exact_match(model, tokenizer, validation)}
+        return cached_run(folder / "result.json", fit)
 
-    warm = cached_run(root / "student_start" / "result.json", fit_student_start)
+    teacher = sft_model("teacher", sizes["teacher_steps"], TEACHER_LR, 100, sizes["teacher"], teacher_start)
+    warm = sft_model("student_start", sizes["warmup_steps"], WARMUP_LR, 0, sizes["student"], student_start)
 
     def run_one(arm: str, lr: float, seed: int) -> dict:
         workdir = root / f"seed{seed}" / arm / f"lr{lr:g}"
