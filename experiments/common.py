@@ -109,20 +109,27 @@ def t_interval(values) -> tuple[float, float, float]:
 
 def paired_difference(method, baseline) -> dict:
     """``method − baseline`` per seed (same seeds, same order): the mean, its 95 % t interval and the two-sided
-    paired t-test's p-value (1.0 when every difference is equal, as with one seed)."""
+    paired t-test's p-value. One seed has no interval (low = high = the mean) and no p-value (NaN); when every
+    difference is the same non-zero number the interval has no width and p is 0 (1 when they are all 0)."""
     from scipy import stats
 
     diff = np.asarray(method, np.float64) - np.asarray(baseline, np.float64)
     mean, low, high = t_interval(diff)
-    p = 1.0
-    if len(diff) > 1 and diff.std(ddof=1) > 0:
+    if len(diff) < 2:
+        p = float("nan")
+    elif diff.std(ddof=1) > 0:
         p = float(stats.ttest_rel(np.asarray(method, np.float64), np.asarray(baseline, np.float64)).pvalue)
+    else:
+        p = 0.0 if mean != 0 else 1.0
     return {"per_seed": diff.tolist(), "mean": mean, "low": low, "high": high, "p": p, "n": len(diff)}
 
 
 def verdict(diff: dict) -> str:
     """For a claim "method > baseline": reproduced when the 95 % interval of the paired difference lies above 0,
-    not reproduced when it lies below 0 (the opposite holds), inconclusive when it contains 0."""
+    not reproduced when it lies below 0 (the opposite holds), inconclusive when it contains 0; no verdict from
+    one seed (no interval)."""
+    if diff["n"] < 2:
+        return "no verdict (one seed)"
     if diff["low"] > 0:
         return "reproduced"
     if diff["high"] < 0:
