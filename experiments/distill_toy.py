@@ -3,8 +3,8 @@ by distilling a larger teacher's next-token distributions (GKD's generalized JSD
 
 * Starts: the shared pretrained starts (`experiments/pretrained.py`) at both shapes. The teacher fine-tunes the
   tiny one (4 layers x 128) by SFT on the train pool, once. The student's start is the small one (2 layers x 64)
-  after a short SFT warm-up on the same data, once (seed 0): GKD's paper starts every student from a supervised
-  fine-tuned checkpoint, and its on-policy samples mean little before the student has the answer format.
+  after a short SFT warm-up on the same data, once (seed 0), as GKD's paper starts every student from a supervised
+  fine-tuned checkpoint.
 * Arms, each continuing from that student start and tuned over the learning rate on the validation pool (seeds 0
   and 1): SFT; off-policy KD (forward KL to the teacher on the data's completions, β = 0, the classic KD); GKD
   on-policy (half the steps on the student's own samples, λ = 0.5, 8 new tokens at temperature 1) with GKD's
