@@ -17,7 +17,8 @@
    the same (free-running: after the first difference the two continuations part, so this counts every later
    position as a difference only when the tokens differ), the share of rows identical to the end, the mean length
    of the identical prefix, and teacher-forced agreement (bfloat16 weights' argmax at every position of the float32
-   continuation, fed in whole: each step judged on the same context).
+   continuation, fed in whole: each step judged on the same context). Where a row parts, float32's gap between its
+   two best logits there, beside the quantiles of that gap over all positions (is the parting at a near-tie?).
 """
 
 # ruff: noqa: E402  (the checkout's own jaxalign must come first on sys.path, before it is imported)
@@ -141,7 +142,15 @@ def agreement(model, tokens, mask, new: int) -> dict:
     seq_mask = jnp.asarray(np.concatenate([mask, valid.astype(np.int32)], 1))
     start = tokens.shape[1] - 1  # the logits at position p predict token p + 1
     forced = np.asarray(jnp.argmax(half_model(sequence, seq_mask)[:, start:start + new], -1))
+    # how close float32's own choice was where a row parts: the gap between its two best logits there
+    top2 = np.sort(np.asarray(model(sequence, seq_mask)[:, start:start + new]), -1)[..., -2:]
+    margin = top2[..., 1] - top2[..., 0]
+    parted = [{"row": i, "position": p, "float32_top2_margin": float(margin[i, p])}
+              for i, p in enumerate(prefix) if p < lengths[i]]
     return {"rows": len(a), "new_tokens": new, "positions": int(valid.sum()),
+            "float32_top2_margin_quantiles": dict(zip(("p01", "p05", "p50"),
+                                                      map(float, np.quantile(margin[valid], [.01, .05, .5])))),
+            "rows_parted_at": parted,
             "free_running_same_tokens": float((a == b)[valid].mean()),
             "rows_identical": int(sum(p >= n for p, n in zip(prefix, lengths, strict=True))),
             "mean_identical_prefix": float(np.mean(np.minimum(prefix, lengths))),

@@ -103,3 +103,5 @@ def test_decode_benchmark_smoke_measures_every_arm(tmp_path):
     assert all(r["bytes_per_step"] > 0 and math.isfinite(r["bandwidth_fraction"]) for r in result["decode"])
     agreement = result["bf16_agreement"]
     assert 0 <= agreement["free_running_same_tokens"] <= 1 and 0 <= agreement["teacher_forced_same_argmax"] <= 1
+    assert all(0 <= r["position"] < 8 and r["float32_top2_margin"] >= 0 for r in agreement["rows_parted_at"])
+    assert len(agreement["rows_parted_at"]) == 4 - agreement["rows_identical"]
