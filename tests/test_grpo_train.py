@@ -217,6 +217,19 @@ def test_grpo_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path):
     assert len(keys) == len(set(keys))
 
 
+@pytest.mark.slow  # end to end
+def test_grpo_resumes_across_a_change_of_layer_layout(uninterrupted, tmp_path):
+    """Cut while scanned (its checkpoint written per layer), resumed unrolled: the uninterrupted run's weights."""
+    reference_dir, _ = uninterrupted
+    workdir = tmp_path / "run"
+    train(grpo_config(workdir, "--config.train.steps=2", "--config.model.scan_layers=true"))
+    summary = train(grpo_config(workdir, "--config.model.scan_layers=false"))
+    assert summary["step"] == 4 and not (workdir / "broken-checkpoints").exists()
+    (_, a), (_, b) = final_params(workdir), final_params(reference_dir)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-5)
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["--config.train.batch_size=32"], "a GRPO step trains on prompts_per_step x num_generations"),
     (["--config.objective.params.loss_type=dapo", "--config.objective.params.importance_sampling_level=sequence"],

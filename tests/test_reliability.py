@@ -335,6 +335,7 @@ def test_too_many_skipped_updates_is_a_failed_run_not_done(monkeypatch, tmp_path
     (["--config.train.batch_size=6", "--config.mesh.fsdp=3"], ["mesh=", "needs 3 devices"]),
     (["--config.train.grad_accum=3"], ["train.batch_size=32 must be a multiple of train.grad_accum=3"]),
     (["--config.train.nan_policy=ignore"], ["train.nan_policy='ignore'"]),
+    (["--config.train.checkpoint_layout=stacked"], ["train.checkpoint_layout='stacked'"]),
     (["--config.train.nan_policy=halt", "--config.train.nan_guard=False"], ["needs train.nan_guard=True"]),
     (["--config.distributed.mode=always"], ["distributed.mode='always'"]),
     (["--config.distributed.coordinator_address=localhost"], ["needs HOST:PORT"]),

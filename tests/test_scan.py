@@ -157,6 +157,68 @@ def test_layout_converters_are_inverse_and_handle_abstract_leaves():
     assert sorted(wrapped["mu"]["layers"]) == list(range(GEMMA3.num_layers))
 
 
+def train_state(model):
+    import optax
+
+    from jaxalign.train.step import init_state
+
+    params = pure(model)
+    state = init_state(params, optax.adam(1e-3), 0, None)  # moments made non-zero: a layout mix-up would show
+    return state._replace(opt_state=jax.tree.map(lambda x: x + 0.5 if x.ndim else x, state.opt_state))
+
+
+def saved_paths(folder, step):
+    """The ``/``-joined paths of the state tree checkpoint ``step`` holds on disk (its Orbax metadata)."""
+    import orbax.checkpoint as ocp
+
+    tree = ocp.StandardCheckpointer().metadata(folder / "checkpoints" / str(step) / "state").item_metadata.tree
+    return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.mark.parametrize("family", ["gemma3", "moe"])  # a block with a tail layer; a dense head layer
+def test_checkpoints_are_written_per_layer_and_restore_either_way(family, tmp_path):
+    from jaxalign.train.checkpoints import Checkpoints
+
+    config = FAMILIES[family]
+    unrolled, scanned = pair(config)
+    live = train_state(scanned)
+    with Checkpoints(tmp_path / "s", 2, scanned.config) as saves:
+        saves.save(live, 3, {"data": {}}, wait=True)
+    paths = saved_paths(tmp_path / "s", 3)
+    assert not any("blocks" in p for p in paths)
+    layers = {int(p.split("/layers/")[1].split("/")[0]) for p in paths if "/layers/" in p}
+    assert layers == set(range(config.num_layers))  # the parameters and both Adam moments, per layer
+    # the same files as an unrolled run's
+    with Checkpoints(tmp_path / "u", 2, unrolled.config) as saves:
+        saves.save(train_state(unrolled), 3, {"data": {}}, wait=True)
+    assert saved_paths(tmp_path / "u", 3) == paths
+    # restored exactly into the scanned layout (stacked again) and into the unrolled one
+    with Checkpoints(tmp_path / "s", 2, scanned.config) as saves:
+        back, meta = saves.restore_latest(jax.tree.map(jnp.zeros_like, live))
+    assert meta["step"] == 3 and jax.tree.structure(back) == jax.tree.structure(live)
+    assert_trees_close(back, live, atol=0)
+    with Checkpoints(tmp_path / "s", 2, unrolled.config) as saves:
+        back, _ = saves.restore_latest(train_state(unrolled))
+    assert_trees_close(back, unstack_layers(config, live), atol=0)
+
+
+def test_stacked_checkpoints_of_earlier_runs_still_resume(tmp_path):
+    """Checkpoints written in the stacked layout (``train.checkpoint_layout=as_run``, earlier versions, a
+    multi-process run) restore too."""
+    from jaxalign.train.checkpoints import Checkpoints
+
+    _, scanned = pair(BASE)
+    live = train_state(scanned)
+    with Checkpoints(tmp_path, 2, scanned.config, per_layer=False) as saves:
+        saves.save(live, 1, {"data": {}}, wait=True)
+    assert any("blocks" in p for p in saved_paths(tmp_path, 1))
+    with Checkpoints(tmp_path, 2, scanned.config) as saves:
+        back, _ = saves.restore_latest(jax.tree.map(jnp.zeros_like, live))
+    assert_trees_close(back, live, atol=0)
+    assert not (tmp_path / "broken-checkpoints").exists()
+
+
 @pytest.mark.parametrize("family", ["gemma2", "gemma3", "moe"])  # blocks only; with a tail layer; with a head
 def test_hf_folders_stay_per_layer_either_way(family, tmp_path):
     torch = pytest.importorskip("torch")
@@ -193,6 +255,16 @@ def test_scanned_model_loads_sharded_on_the_mesh(mesh8, tmp_path):
     with jax.set_mesh(mesh8):
         logits = jax.jit(lambda t, m: sharded(t, m))(tokens, mask)
     np.testing.assert_allclose(logits, unrolled(tokens, mask), atol=1e-5)
+    # a checkpoint of the sharded scanned state is written per layer and restores with the same shardings
+    from jaxalign.train.checkpoints import Checkpoints
+
+    live = train_state(sharded)
+    with Checkpoints(tmp_path / "run", 2, sharded.config) as saves:
+        saves.save(live, 1, {"data": {}}, wait=True)
+        assert not any("blocks" in p for p in saved_paths(tmp_path / "run", 1))
+        back, _ = saves.restore_latest(jax.tree.map(jnp.zeros_like, live))
+    assert_trees_close(back, live, atol=0)
+    assert all(b.sharding == x.sharding for b, x in zip(jax.tree.leaves(back), jax.tree.leaves(live), strict=True))
 
 
 def test_lora_on_a_scanned_model_matches_the_unrolled_one(tmp_path):

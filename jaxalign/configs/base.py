@@ -56,7 +56,8 @@ def get_config(arg=None):
 
     config.train = ml_collections.ConfigDict(dict(
         steps=600, batch_size=32, grad_accum=1, log_every=25, eval_every=200, save_every=200, keep_checkpoints=2,
-        nan_guard=True, nan_policy="skip", max_skip_streak=10, max_skip_fraction=0.1, resume=True))
+        checkpoint_layout="per_layer", nan_guard=True, nan_policy="skip", max_skip_streak=10, max_skip_fraction=0.1,
+        resume=True))
     # Mesh axis sizes (-1 = fill the remaining devices) and the logical-axis -> mesh-axis rules table: entries
     # LOGICAL=MESH[+MESH] replace the defaults (jaxalign/parallel/mesh.py DEFAULT_RULES), an empty right-hand side
     # replicates, e.g. "embed=fsdp+tensor,mlp=" ; the run's config.json records the whole table.

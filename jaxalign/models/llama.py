@@ -522,14 +522,20 @@ def _take(leaf, b: int):
     return leaf[b]
 
 
-def _stack(leaves):
+def _stack(leaves, consume: bool = False):
     first = leaves[0]
     if isinstance(first, jax.ShapeDtypeStruct):
         sharding = first.sharding
         if isinstance(sharding, jax.sharding.NamedSharding):
             sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
         return jax.ShapeDtypeStruct((len(leaves), *first.shape), first.dtype, sharding=sharding)
-    return np.stack(leaves) if isinstance(first, np.ndarray) else jnp.stack(leaves)
+    if isinstance(first, np.ndarray):
+        return np.stack(leaves)
+    stacked = jnp.stack(leaves)
+    if consume:  # the per-layer arrays go as soon as their stack exists: one extra leaf in memory, not a tree
+        for leaf in leaves:
+            leaf.delete()
+    return stacked
 
 
 def unstack_layers(config: LlamaConfig, tree):
@@ -554,9 +560,10 @@ def unstack_layers(config: LlamaConfig, tree):
     return jax.tree.map(convert, tree, is_leaf=_is_layer_tree)
 
 
-def stack_layers(config: LlamaConfig, tree):
+def stack_layers(config: LlamaConfig, tree, *, consume: bool = False):
     """The inverse of ``unstack_layers``: the per-layer trees of ``tree`` in the layout of a scanned model of
-    ``config`` (unchanged when ``config`` stacks nothing)."""
+    ``config`` (unchanged when ``config`` stacks nothing). ``consume``: delete each per-layer device array once
+    its stack is made (a tree nothing else holds, such as one just restored from a checkpoint)."""
     prefix, period, blocks = layer_plan(config)
     if not blocks:
         return tree
@@ -569,7 +576,7 @@ def stack_layers(config: LlamaConfig, tree):
         if not per_layer(node):
             return node
         source = node["layers"]
-        stacked = {"blocks": {j: jax.tree.map(lambda *leaves: _stack(leaves),
+        stacked = {"blocks": {j: jax.tree.map(lambda *leaves: _stack(leaves, consume),
                                               *[source[prefix + b * period + j] for b in range(blocks)])
                               for j in range(period) if prefix + j in source}}
         head = {i: source[i] for i in range(prefix) if i in source}
@@ -582,10 +589,11 @@ def stack_layers(config: LlamaConfig, tree):
 
 def other_layer_layout(config: LlamaConfig):
     """``(to_other, to_this)``: pytree converters between the layer layout of a ``config`` model and the one it
-    would have with ``scan_layers`` the other way (for checkpoints saved either way); None when both are per layer."""
+    would have with ``scan_layers`` the other way (for checkpoints saved either way); None when both are per layer.
+    ``to_this`` is for trees just restored: when it stacks, it frees each per-layer array once stacked."""
     other = config.replace(scan_layers=not config.scans)
     if layer_plan(config)[2]:
-        return (lambda tree: unstack_layers(config, tree)), (lambda tree: stack_layers(config, tree))
+        return (lambda tree: unstack_layers(config, tree)), (lambda tree: stack_layers(config, tree, consume=True))
     if layer_plan(other)[2]:
         return (lambda tree: stack_layers(other, tree)), (lambda tree: unstack_layers(other, tree))
     return None

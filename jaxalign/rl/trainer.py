@@ -185,7 +185,8 @@ class GRPORun:
         writers.write_run_files(workdir, effective, self.engine.hf_tokenizer, self.engine.model_config)
         self.writer = writers.MetricWriter(workdir, tensorboard=spec.logging.tensorboard, wandb=spec.logging.wandb,
                                            wandb_project=spec.logging.wandb_project, config=effective)
-        self.checkpoints = checkpoints.Checkpoints(workdir, spec.train.keep_checkpoints)
+        self.checkpoints = checkpoints.Checkpoints(workdir, spec.train.keep_checkpoints, self.engine.model_config,
+                                                   per_layer=spec.train.checkpoint_layout == "per_layer")
         self.step = 0
         self.skips = None  # a loop.Skips once the state is restored
         engine, hp = self.engine, self.hp

@@ -39,7 +39,7 @@ from jaxalign.models import (
     lora,
     param_shardings,
 )
-from jaxalign.models.llama import other_layer_layout
+from jaxalign.models.llama import layer_plan, other_layer_layout
 from jaxalign.objectives import Objective
 from jaxalign.parallel.mesh import Rules, batch_sharding, make_mesh, use_rules
 from jaxalign.train.checkpoints import good_step, restore_in_layout
@@ -340,7 +340,8 @@ def restore_model(checkpoint: str | Path, *, log=None):
     if log is not None:
         log(f"using checkpoint {step} of {run_dir}" + (" (the newest that verifies)" if skipped else ""))
     with ocp.CheckpointManager(run_dir / "checkpoints") as manager:  # closed: no Orbax threads outlive the read
-        restored = TrainState(*restore_in_layout(manager, step, target, other_layer_layout(config))[0]).params
+        restored = TrainState(*restore_in_layout(manager, step, target, other_layer_layout(config),
+                                                   other_first=bool(layer_plan(config)[2]))[0]).params
     if lora_config is None:
         model = nnx.merge(graphdef, restored)
     else:

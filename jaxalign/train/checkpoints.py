@@ -2,9 +2,13 @@
 and the SIGTERM / SIGINT handler (installed by the CLI) that makes the loop save and stop at the next step boundary.
 
 A checkpoint holds the ``TrainState`` and a JSON meta record (step, data position, objective name), and once its
-(async) save has completed, a manifest of its files' sizes and SHA-256 hashes. A checkpoint whose files do not match
-its manifest (flipped bytes, truncation, a save that never completed) or that does not restore is moved to
-``broken-checkpoints/`` with a warning and the next older one restored; when none is good the run stops.
+(async) save has completed, a manifest of its files' sizes and SHA-256 hashes. The state is written per layer
+whatever ``model.scan_layers`` is: a scanned model's stacked layers are split on the host copy that the save makes
+anyway (views: nothing is copied on the devices), so the files do not depend on how the run held its layers. A
+multi-process run, whose state no one process holds whole, writes its own layout; restores read either. A
+checkpoint whose files do not match its manifest (flipped bytes, truncation, a save that never completed) or that
+does not restore is moved to ``broken-checkpoints/`` with a warning and the next older one restored; when none is
+good the run stops.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from jaxalign.models.llama import layer_plan, other_layer_layout
 from jaxalign.train.step import TrainState
 
 MANIFEST = "jaxalign-manifest.json"
@@ -108,8 +113,12 @@ class Checkpoints:
     hashes once written; restores verify the manifest first. A checkpoint that fails verification or does not
     restore is moved to ``broken-checkpoints/`` (never trusted again) and the next older one is used."""
 
-    def __init__(self, workdir: Path, keep: int):
+    def __init__(self, workdir: Path, keep: int, model_config=None, *, per_layer: bool = True):
         self.workdir = Path(workdir)
+        # model_config: the run's model (a LlamaConfig); with per_layer, a scanned one's saves are written per layer
+        self.layout = None if model_config is None else other_layer_layout(model_config)
+        self.stacked = model_config is not None and bool(layer_plan(model_config)[2])
+        self.per_layer = per_layer
         self.folder = (self.workdir / "checkpoints").resolve()
         # cleanup_tmp_directories: the temporary folder of a save that was killed or failed is removed at start
         self.manager = ocp.CheckpointManager(self.folder, options=ocp.CheckpointManagerOptions(
@@ -131,13 +140,24 @@ class Checkpoints:
                 raise CheckpointWriteError(self._explain(step, os.strerror(errno.ENOSPC), free))
             try:
                 self.manager.save(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({"step": step, **meta})), force=True)
+                    state=ocp.args.StandardSave(self.on_disk(state)),
+                    meta=ocp.args.JsonSave({"step": step, **meta})), force=True)
             except Exception as err:
                 self._failed(err, step)
                 raise
             self._unsealed.append(step)
         if wait:
             self.finish()
+
+    def on_disk(self, state: TrainState):
+        """The tree a save writes: ``state`` itself, or, for a scanned model in one process with ``per_layer``,
+        its per-layer form: slices (views) of one host copy of the state, which Orbax copies again as it does every
+        host array it saves. Nothing extra is made on the devices; the host holds one copy of the state more than
+        a save of the stacked arrays would (docs/training.md)."""
+        whole = all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(state))
+        if not (self.stacked and self.per_layer and whole):
+            return state
+        return self.layout[0](jax.device_get(state))
 
     def finish(self) -> None:
         """Waits for the save in flight and seals what this process saved."""
@@ -178,20 +198,21 @@ class Checkpoints:
                 f"{self._needed / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free; {kept}. Free some space and "
                 "rerun the same command: it resumes from the latest good checkpoint.")
 
-    def restore_latest(self, state: TrainState, other_layout=None) -> tuple[TrainState, dict] | None:
+    def restore_latest(self, state: TrainState) -> tuple[TrainState, dict] | None:
         """The newest checkpoint that verifies and restores into ``state``'s shapes and shardings; broken ones are
         moved aside with a warning. None for a folder without checkpoints; ``NoGoodCheckpoint`` when there are some
-        but none is good (nothing is moved then). ``other_layout``: ``(to_saved, to_live)``, the model's
-        ``other_layer_layout``: a checkpoint that does not restore in ``state``'s layout is tried in the other layer
-        layout (saved with ``model.scan_layers`` the other way) before it counts as broken."""
+        but none is good (nothing is moved then). With the run's ``model_config``, a checkpoint that does not restore
+        in one layer layout (per layer, or a scanned model's stacked layers) is tried in the other before it counts
+        as broken: the per-layer one first for a scanned model, as its saves write."""
         target = abstract_of(state)
         problems = []
         for step in reversed(self.steps()):
             problem = verify(self.folder / str(step))
             if problem is None:
                 try:
-                    restored_state, restored_meta = restore_in_layout(self.manager, step, target, other_layout,
-                                                                      meta=True)
+                    restored_state, restored_meta = restore_in_layout(self.manager, step, target, self.layout,
+                                                                      meta=True,
+                                                                      other_first=self.stacked and self.per_layer)
                 except Exception as err:  # a readable manifest over unreadable Orbax metadata
                     problem = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
                 else:
@@ -256,11 +277,12 @@ def good_step(folder: Path, step: int | None = None) -> tuple[int, list[str]]:
     raise NoGoodCheckpoint(f"{folder} has no good checkpoint ({'; '.join(skipped)})")
 
 
-def restore_in_layout(manager, step: int, target, other_layout=None, *, meta: bool = False) -> tuple[Any, Any]:
+def restore_in_layout(manager, step: int, target, other_layout=None, *, meta: bool = False,
+                      other_first: bool = False) -> tuple[Any, Any]:
     """``(state, meta record or None)`` of checkpoint ``step`` restored into ``target`` (abstract arrays). With
-    ``other_layout`` = ``(to_saved, to_live)``, a checkpoint that does not restore into ``target`` is restored in the
-    other layer layout, then converted to ``target``'s layout and shardings; the first error is raised when neither
-    restores."""
+    ``other_layout`` = ``(to_saved, to_live)`` (the model's ``other_layer_layout``), a checkpoint that does not
+    restore into ``target``'s layer layout is restored in the other one, then converted to ``target``'s layout and
+    shardings; ``other_first`` tries the other layout first. The first error is raised when neither restores."""
     def restore(state_target):
         args = {"state": ocp.args.StandardRestore(state_target)}
         if meta:
@@ -268,18 +290,21 @@ def restore_in_layout(manager, step: int, target, other_layout=None, *, meta: bo
         restored = manager.restore(step, args=ocp.args.Composite(**args))
         return restored.state, restored.meta if meta else None
 
-    try:
-        return restore(target)
-    except Exception as first:
-        if other_layout is None:
-            raise
+    def in_other_layout():
         to_saved, to_live = other_layout
+        state, record = restore(to_saved(target))
+        state = jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(to_live(state)))
+        return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), state, target), record
+
+    attempts = [lambda: restore(target)] if other_layout is None else (
+        [in_other_layout, lambda: restore(target)] if other_first else [lambda: restore(target), in_other_layout])
+    first = None
+    for attempt in attempts:
         try:
-            state, record = restore(to_saved(target))
-        except Exception:
-            raise first from None
-    state = jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(to_live(state)))
-    return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), state, target), record
+            return attempt()
+        except Exception as err:
+            first = first or err
+    raise first
 
 
 def abstract_of(tree):

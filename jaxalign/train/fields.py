@@ -78,6 +78,8 @@ HELP: dict[str, str] = {
     "train.eval_every": "steps between evaluations (0 = at the start and the end only)",
     "train.save_every": "steps between checkpoints (0 = at the end only)",
     "train.keep_checkpoints": "checkpoints kept",
+    "train.checkpoint_layout": "per_layer: a scanned model's checkpoints hold its layers one by one, as an unrolled "
+                               "model's; as_run: its stacked arrays (one host copy less while saving)",
     "train.nan_guard": "skip an update whose loss or gradients are not finite",
     "train.nan_policy": "a skipped update: skip (count and go on) or halt (checkpoint and stop)",
     "train.max_skip_streak": "stop with an error after this many skipped updates in a row (0 = no limit)",

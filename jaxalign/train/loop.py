@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from jaxalign.models.llama import other_layer_layout
 from jaxalign.parallel import distributed
 from jaxalign.train import checkpoints, onpolicy, writers
 from jaxalign.train.build import Engine, build, run_mesh
@@ -87,13 +86,13 @@ def setup(config: ml_collections.ConfigDict, spec: RunSpec, stage=lambda: None) 
     writers.write_run_files(workdir, effective, engine.hf_tokenizer, engine.model_config)
     writer = MetricWriter(workdir, tensorboard=spec.logging.tensorboard, wandb=spec.logging.wandb,
                           wandb_project=spec.logging.wandb_project, config=effective)
-    return Run(spec, workdir, engine, inputs, checkpoints.Checkpoints(workdir, spec.train.keep_checkpoints),
-               writer)
+    saves = checkpoints.Checkpoints(workdir, spec.train.keep_checkpoints, engine.model_config,
+                                    per_layer=spec.train.checkpoint_layout == "per_layer")
+    return Run(spec, workdir, engine, inputs, saves, writer)
 
 
 def resume(run: Run) -> None:
-    restored = (run.checkpoints.restore_latest(run.engine.state, other_layer_layout(run.engine.model_config))
-                if run.spec.train.resume else None)
+    restored = run.checkpoints.restore_latest(run.engine.state) if run.spec.train.resume else None
     if restored is not None:
         run.engine.state, meta = restored
         run.inputs.pipeline.restore(meta["data"])

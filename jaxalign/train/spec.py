@@ -326,6 +326,7 @@ class TrainSpec:
     eval_every: int = 200
     save_every: int = 200
     keep_checkpoints: int = 2
+    checkpoint_layout: str = "per_layer"
     nan_guard: bool = True
     nan_policy: str = "skip"
     max_skip_streak: int = 10
@@ -341,6 +342,9 @@ class TrainSpec:
             problems.append(f"train.steps={self.steps} must be >= 1")
         if self.log_every < 1:
             problems.append(f"train.log_every={self.log_every} must be >= 1")
+        if self.checkpoint_layout not in ("per_layer", "as_run"):
+            problems.append(f"train.checkpoint_layout={self.checkpoint_layout!r}; choose 'per_layer' (a scanned "
+                            "model's checkpoints hold one array per layer) or 'as_run' (its stacked arrays)")
         if self.nan_policy not in ("skip", "halt"):
             problems.append(f"train.nan_policy={self.nan_policy!r}; choose 'skip' (count and go on) or 'halt'")
         if self.nan_policy == "halt" and not self.nan_guard:
