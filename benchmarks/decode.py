@@ -149,7 +149,8 @@ def agreement(model, tokens, mask, new: int) -> dict:
               for i, p in enumerate(prefix) if p < lengths[i]]
     return {"rows": len(a), "new_tokens": new, "positions": int(valid.sum()),
             "float32_top2_margin_quantiles": dict(zip(("p01", "p05", "p50"),
-                                                      map(float, np.quantile(margin[valid], [.01, .05, .5])))),
+                                                      map(float, np.quantile(margin[valid], [.01, .05, .5])),
+                                                      strict=True)),
             "rows_parted_at": parted,
             "free_running_same_tokens": float((a == b)[valid].mean()),
             "rows_identical": int(sum(p >= n for p, n in zip(prefix, lengths, strict=True))),
