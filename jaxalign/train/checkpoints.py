@@ -3,8 +3,8 @@ and the SIGTERM / SIGINT handler (installed by the CLI) that makes the loop save
 
 A checkpoint holds the ``TrainState`` and a JSON meta record (step, data position, objective name), and once its
 (async) save has completed, a manifest of its files' sizes and SHA-256 hashes. The state is written per layer
-whatever ``model.scan_layers`` is: a scanned model's stacked layers are split on the host copy that the save makes
-anyway (views: nothing is copied on the devices), so the files do not depend on how the run held its layers. A
+whatever ``model.scan_layers`` is: a scanned model's stacked layers are split on the host (views of the fetched
+state; nothing is copied on the devices), so the files do not depend on how the run held its layers. A
 multi-process run, whose state no one process holds whole, writes its own layout; restores read either. A
 checkpoint whose files do not match its manifest (flipped bytes, truncation, a save that never completed) or that
 does not restore is moved to ``broken-checkpoints/`` with a warning and the next older one restored; when none is
@@ -151,9 +151,10 @@ class Checkpoints:
 
     def on_disk(self, state: TrainState):
         """The tree a save writes: ``state`` itself, or, for a scanned model in one process with ``per_layer``,
-        its per-layer form: slices (views) of one host copy of the state, which Orbax copies again as it does every
-        host array it saves. Nothing extra is made on the devices; the host holds one copy of the state more than
-        a save of the stacked arrays would (docs/training.md)."""
+        its per-layer form: slices (views) of the state fetched to the host (``jax.device_get``: a copy from an
+        accelerator, the buffers themselves on the CPU), which Orbax copies as it does every host array it saves
+        before the save returns (so the next step may reuse the buffers). Nothing extra is made on the devices; the
+        host holds about one copy of the state more than a save of the stacked arrays (docs/training.md)."""
         whole = all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(state))
         if not (self.stacked and self.per_layer and whole):
             return state
