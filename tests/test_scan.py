@@ -124,12 +124,17 @@ def test_scanned_kv_cache_decodes_like_the_unrolled_model(family):
     np.testing.assert_allclose(a.logps, b.logps, atol=1e-5)
 
 
-def test_decoding_model_unrolls_on_the_cpu_and_casts_weights_only():
+def test_decoding_model_unrolls_on_cpu_and_gpu_and_casts_weights_only(monkeypatch):
     from jaxalign.sampling import decoding_model
 
     _, scanned = pair(FAMILIES["llama"])
     decoded = decoding_model(scanned)  # auto: the CPU unrolls
     assert not decoded.config.scans and isinstance(decoded.layers, nnx.List)
+    with monkeypatch.context() as patch:  # the backend only decides "auto"; measured faster on CPU and GPU
+        patch.setattr(jax, "default_backend", lambda: "gpu")
+        assert not decoding_model(scanned).config.scans
+        patch.setattr(jax, "default_backend", lambda: "tpu")
+        assert decoding_model(scanned) is scanned
     assert_trees_close(pure(decoded), unstack_layers(scanned.config, pure(scanned)), atol=0)
     assert decoding_model(scanned, layers="scanned") is scanned
     half = decoding_model(scanned, layers="scanned", weights="bfloat16")

@@ -32,7 +32,6 @@ from jaxalign.train.loop import log
 from jaxalign.train.spec import RunSpec, validate
 from jaxalign.train.step import init_state, make_train_step
 
-
 _copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 

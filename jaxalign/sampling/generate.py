@@ -23,6 +23,8 @@ from jaxalign.models.llama import KVCache, LlamaForCausalLM, layer_plan, unstack
 MIN_CACHE_BUCKET = 256
 DECODE_LAYERS = ("auto", "scanned", "unrolled")
 DECODE_WEIGHTS = ("model", "float32", "bfloat16")
+# the backends where layers="auto" unrolls a scanned model for decoding: measured faster there (docs/benchmarks.md)
+UNROLL_BACKENDS = ("cpu", "gpu")
 
 
 class Generation(NamedTuple):
@@ -151,9 +153,12 @@ def decoding_model(model: LlamaForCausalLM, *, layers: str = "auto", weights: st
 
     ``layers``: "scanned" keeps a scanned model's stacked layers (``model.scan_layers``) under ``lax.scan``;
     "unrolled" gives it per-layer weights (a copy; ``sample`` makes it inside its compiled call) so the decode
-    loop runs the layers one by one; "auto" unrolls on the CPU only. Measured on 2 CPU cores (docs/benchmarks.md,
-    decoding): XLA:CPU copies each layer's weight slices out of the stack at every step of the scan; unrolled,
-    SmolLM2-135M decoded 1.54x the tokens/s at batch 1 on an Intel Xeon. Models with LoRA adapters stay as they
+    loop runs the layers one by one; "auto" unrolls on the CPU and on GPUs, where it was measured faster
+    (docs/benchmarks.md, decoding): on 2 CPU cores XLA:CPU copies each layer's weight slices out of the stack at
+    every step of the scan, and unrolled SmolLM2-135M decoded 1.54x the tokens/s at batch 1 on an Intel Xeon; on an
+    H200 the Llama-3.2-1B shape decoded 1.89x (batch 1) and 2.22x (batch 8) unrolled. On TPUs (not measured) "auto"
+    keeps the scan. Either way the unrolled layers are a second copy of the weights while the loop runs. Models
+    with LoRA adapters stay as they
     are with "auto" ("unrolled" refuses them: merge the adapters first). ``weights``: "model" keeps the
     parameters' dtype; "float32" / "bfloat16" casts every floating-point parameter (the compute dtype,
     ``config.dtype``, is unchanged: weight-only). bfloat16 halves the bytes each step streams, which is what
@@ -168,8 +173,8 @@ def decoding_model(model: LlamaForCausalLM, *, layers: str = "auto", weights: st
     if layers == "unrolled" and adapters:
         raise ValueError("layers='unrolled' needs a model without LoRA adapters: merge them first "
                          "(jaxalign.models.lora.merge_weights) or decode with layers='scanned'")
-    on_cpu = jax.default_backend() == "cpu"
-    unroll = stacked and not adapters and (layers == "unrolled" or (layers == "auto" and on_cpu))
+    measured_faster = jax.default_backend() in UNROLL_BACKENDS
+    unroll = stacked and not adapters and (layers == "unrolled" or (layers == "auto" and measured_faster))
     if not unroll and weights == "model":
         return model
     if unroll:
