@@ -5,8 +5,13 @@ import os
 # XLA's backend optimisation level 0: the same HLO, compiled with fewer LLVM passes; half the suite's time is
 # compilation of tiny models, and the results agree with the default level to float rounding. The collective
 # timeout: the 8 fake devices' all-reduces meet in a rendezvous that XLA:CPU aborts the process on (LOG(FATAL) in
-# AwaitAndLogIfStuck, seen in a core dump) when a participant is late past the timeout, which happened with two
-# test workers loading the 2 cores; a late participant is slowness here, not a deadlock
+# AwaitAndLogIfStuck) when a participant is late past the timeout.
+# PJRT_NPROC: XLA:CPU runs every device's part of a program, and the dispatch of the next program, on one thread
+# pool of max(cores, devices) threads, 8 here; with programs queued behind a collective, 7 of its 8 participants
+# waited at the rendezvous and the 8th never got a thread (a deadlock, then the abort above: the CPI-FT study every
+# time, the training loop now and then, a 25-line loop of jitted steps on a 2-core AMD EPYC). 24 threads: that loop
+# ran 3,000 steps (tests/test_parallel.py). jaxalign.parallel.make_mesh warns where the pool is too small
+os.environ.setdefault("PJRT_NPROC", "24")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
                       "--xla_cpu_collective_call_terminate_timeout_seconds=300 "
                       "--xla_cpu_collective_timeout_seconds=300")

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import os
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 
 import jax
@@ -111,8 +113,29 @@ def make_mesh(
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_sizes(shape, len(devices))
+    warn_if_host_pool_small(devices)
     return jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes),
                          devices=devices)
+
+
+def host_pool_threads() -> int:
+    """Threads of XLA:CPU's execution pool as XLA sizes it before counting devices: ``PJRT_NPROC``, else
+    ``NPROC``, else the cores this process may run on."""
+    for name in ("PJRT_NPROC", "NPROC"):
+        if os.environ.get(name, "").strip().isdigit():
+            return int(os.environ[name])
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def warn_if_host_pool_small(devices: Sequence[jax.Device]) -> None:
+    """Several CPU devices in one process (``--xla_force_host_platform_device_count``) share one XLA thread pool of
+    max(cores, devices) threads; programs queued behind one with collectives can take the threads its participants
+    need, and the process hangs, then aborts (seen with 8 devices on 2 cores). Twice the devices leaves room."""
+    cpu = [d for d in devices if d.platform == "cpu" and d.process_index == jax.process_index()]
+    if len(cpu) > 1 and host_pool_threads() < 2 * len(cpu):
+        warnings.warn(f"{len(cpu)} CPU devices share XLA:CPU's thread pool of {max(host_pool_threads(), len(cpu))} "
+                      f"threads: collectives can deadlock. Set PJRT_NPROC={3 * len(cpu)} in the environment before "
+                      "starting Python (docs/reliability.md, 'Several CPU devices in one process')", stacklevel=3)
 
 
 @contextlib.contextmanager
