@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxalign.models.llama import KVCache, LlamaForCausalLM, layer_plan, unstack_layers
 
-MIN_CACHE_BUCKET = 128
+MIN_CACHE_BUCKET = 256
 DECODE_LAYERS = ("auto", "scanned", "unrolled")
 DECODE_WEIGHTS = ("model", "float32", "bfloat16")
 # the backends where layers="auto" unrolls a scanned model for decoding: measured faster there (docs/benchmarks.md)
