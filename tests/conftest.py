@@ -9,8 +9,8 @@ import os
 # PJRT_NPROC: XLA:CPU runs every device's part of a program, and the dispatch of the next program, on one thread
 # pool of max(cores, devices) threads, 8 here; with programs queued behind a collective, 7 of its 8 participants
 # waited at the rendezvous and the 8th never got a thread (a deadlock, then the abort above: the CPI-FT study every
-# time, the training loop now and then, a 25-line loop of jitted steps on a 2-core AMD EPYC). 24 threads: that loop
-# ran 3,000 steps (tests/test_parallel.py). jaxalign.parallel.make_mesh warns where the pool is too small
+# time, the training loop now and then, a 25-line loop of jitted steps on a 2-core AMD EPYC); with 24 threads that
+# loop finishes (tests/test_parallel.py). jaxalign.parallel.make_mesh warns where the pool is too small
 os.environ.setdefault("PJRT_NPROC", "24")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
                       "--xla_cpu_collective_call_terminate_timeout_seconds=300 "

@@ -32,8 +32,8 @@ def one_device_env() -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("study", STUDIES)
 def test_study_runs_at_smoke_size(study, tmp_path):
-    # run as a user runs it: its own process on one CPU device (in this process, on the 8 fake devices with XLA's
-    # default thread pool, cpi_toy deadlocked every time on a 2-core AMD EPYC: docs/reliability.md)
+    # run as a user runs it: its own process, one CPU device, XLA's default thread pool (not this process's 8 fake
+    # devices; with those and the default pool cpi_toy deadlocked: docs/reliability.md)
     module = importlib.import_module(study)
     for package in getattr(module, "REQUIRES", ()):
         pytest.importorskip(package)

@@ -32,8 +32,6 @@ from jaxalign.train.loop import log
 from jaxalign.train.spec import RunSpec, validate
 from jaxalign.train.step import init_state, make_train_step
 
-_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
-
 
 class Trainer:
     """Short SFT runs from given parameters, optionally with frozen entries, through the public training API on the
@@ -70,8 +68,7 @@ class Trainer:
             return params
         tx, step = self._step(steps, params, lr or self.spec.optim.lr)
         mask = jax.tree.map(lambda _: False, params) if frozen is None else frozen
-        # the step donates its state and the caller keeps ``params``: one compiled copy, not one dispatch per leaf
-        state = init_state(_copy(params), freeze(tx, mask), seed, None)
+        state = init_state(jax.tree.map(jnp.copy, params), freeze(tx, mask), seed, None)
         pipeline = DataPipeline([self.examples(records)], "sft",
                                 PipelineConfig(batch_size=self.spec.train.batch_size, seed=seed, pad_id=self.pad_id))
         with jax.set_mesh(self.mesh), use_rules(self.rules):
