@@ -19,6 +19,10 @@
    of the identical prefix, and teacher-forced agreement (bfloat16 weights' argmax at every position of the float32
    continuation, fed in whole: each step judged on the same context). Where a row parts, float32's gap between its
    two best logits there, beside the quantiles of that gap over all positions (is the parting at a near-tie?).
+4. ``--profile`` (CPU): where a step's time goes. One call of the unrolled float32 loop at batch 1 under
+   ``jax.profiler`` (a Perfetto trace); XLA:CPU's per-operation events on its threads, summed per operation
+   kind (the HLO name without its number) and divided by the decode steps, and how many operations ran at once
+   (the summed durations over the union of their intervals: 1.0 means one at a time).
 """
 
 # ruff: noqa: E402  (the checkout's own jaxalign must come first on sys.path, before it is imported)
@@ -26,10 +30,14 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
+import gzip
 import json
 import platform
+import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -129,6 +137,51 @@ def decode_rows(model, tokens, mask, new: int, limit_gbs: float, batches, reps: 
     return rows
 
 
+def profile(model, tokens, mask, new: int) -> dict:
+    """Section 4: XLA:CPU's operations in one call of the unrolled float32 loop at batch 1, per decode step."""
+    decoder = decoding_model(model, layers="unrolled")
+    t, m = tokens[:1], mask[:1]
+
+    def run():
+        return sample(decoder, t, prompt_mask=m, max_new_tokens=new + 1, layers="scanned").tokens
+
+    jax.block_until_ready(run())  # compiled before the trace
+    with tempfile.TemporaryDirectory() as logdir:
+        jax.profiler.start_trace(logdir, create_perfetto_trace=True)
+        start = time.perf_counter()
+        jax.block_until_ready(run())
+        wall = time.perf_counter() - start
+        jax.profiler.stop_trace()
+        [trace] = Path(logdir).rglob("*.trace.json.gz")
+        events = json.loads(gzip.decompress(trace.read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    workers = {e["tid"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+               and e["args"]["name"].startswith("tf_XLA")}
+    ops = [e for e in events if e.get("ph") == "X" and e.get("tid") in workers and e.get("dur")
+           and not e["name"].startswith(("ThunkExecutor", "end:", "Slinky"))]
+    if not ops:
+        raise SystemExit("--profile: the trace holds no XLA:CPU operations (section 4 is for the CPU)")
+    per_kind, count = collections.Counter(), collections.Counter()
+    for e in ops:
+        kind = re.sub(r"\.\d+$", "", e["name"])
+        per_kind[kind] += e["dur"] / 1e3
+        count[kind] += 1
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in ops)
+    union, (lo, hi) = 0.0, spans[0]
+    for a, b in spans[1:]:
+        if a > hi:
+            union, (lo, hi) = union + hi - lo, (a, b)
+        else:
+            hi = max(hi, b)
+    union += hi - lo
+    summed = sum(per_kind.values())
+    steps = new + 1
+    return {"steps": steps, "wall_ms_per_step": 1e3 * wall / steps, "ops_ms_per_step": summed / steps,
+            "ops_at_once": summed / (union / 1e3), "worker_threads": len(workers),
+            "kinds": [{"kind": k, "ms_per_step": v / steps, "per_step": count[k] / steps}
+                      for k, v in per_kind.most_common(12)]}
+
+
 def agreement(model, tokens, mask, new: int) -> dict:
     """bfloat16 weights against float32, greedy, on the same prompts."""
     full = sample(model, tokens, prompt_mask=mask, max_new_tokens=new)
@@ -166,6 +219,7 @@ def main() -> None:
                         "llama-1b) with random float32 weights instead of the SmolLM2 GGUF (a GPU has no GGUF "
                         "installed); section 3 needs real weights and is left out")
     parser.add_argument("--gib", type=float, default=1.0, help="size of the bandwidth passes' array")
+    parser.add_argument("--profile", action="store_true", help="section 4 (CPU): where a step's time goes")
     args = parser.parse_args()
     if args.random:
         return random_shapes(args)
@@ -189,6 +243,9 @@ def main() -> None:
     result["decode"] = decode_rows(model, tokens, mask, new, result["bandwidth"]["limit_gbs"], batches, reps)
     result["bf16_agreement"] = agreement(model, tokens, mask, new)
     print(json.dumps(result["bf16_agreement"]), flush=True)
+    if args.profile:
+        result["profile"] = profile(model, tokens, mask, new)
+        print(json.dumps(result["profile"]), flush=True)
     write(result, started, Path(args.out), "-smoke" if args.smoke else "")
 
 

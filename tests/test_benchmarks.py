@@ -91,7 +91,7 @@ def test_scan_layers_benchmark_smoke_compares_both_arms():
 @pytest.mark.slow
 def test_decode_benchmark_smoke_measures_every_arm(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run([sys.executable, "benchmarks/decode.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "benchmarks/decode.py", "--smoke", "--profile", "--out", str(tmp_path)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     [path] = tmp_path.glob("decode-*-smoke.json")
@@ -103,5 +103,8 @@ def test_decode_benchmark_smoke_measures_every_arm(tmp_path):
     assert all(r["bytes_per_step"] > 0 and math.isfinite(r["bandwidth_fraction"]) for r in result["decode"])
     agreement = result["bf16_agreement"]
     assert 0 <= agreement["free_running_same_tokens"] <= 1 and 0 <= agreement["teacher_forced_same_argmax"] <= 1
+    profile = result["profile"]  # XLA:CPU's operations per decode step
+    assert profile["ops_at_once"] >= 0.99 and profile["ops_ms_per_step"] <= profile["wall_ms_per_step"] * 1.01
+    assert any(k["kind"].startswith("dot") for k in profile["kinds"])
     assert all(0 <= r["position"] < 8 and r["float32_top2_margin"] >= 0 for r in agreement["rows_parted_at"])
     assert len(agreement["rows_parted_at"]) == 4 - agreement["rows_identical"]
