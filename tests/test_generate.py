@@ -192,3 +192,13 @@ def test_stop_string_lengths_cut_after_the_token_that_completes_a_stop():
     # "\nUser:" is complete with token 5 (index 4); "##" with the second "#"; no stop; the stop lies past the length
     np.testing.assert_array_equal(got, [5, 4, 4, 2])
     np.testing.assert_array_equal(stop_string_lengths(tokens, lengths, [], decode), lengths)
+
+
+def test_cache_buckets_are_few_and_leave_at_most_a_third_unused():
+    from jaxalign.sampling.generate import cache_bucket
+
+    sizes = [cache_bucket(n) for n in range(1, 5000)]
+    assert sorted(set(sizes))[:7] == [128, 192, 256, 384, 512, 768, 1024]
+    assert len(set(sizes)) == 12  # 128 ... 6144: two sizes per doubling
+    assert all(size >= n and (n <= 128 or 3 * (size - n) <= size) for n, size in enumerate(sizes, 1))
+    assert sizes == sorted(sizes)
