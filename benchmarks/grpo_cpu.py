@@ -24,6 +24,11 @@ clipping at 1.0), the reward = the share of even token ids in the completion (co
   ``on_step_end``, the rollout is the time inside ``_generate_and_score_completions`` (generation, decoding,
   rewards, advantages); train = step - rollout. ``GRPOConfig``: ``use_cpu``, no bf16, no gradient checkpointing,
   ``per_device_train_batch_size`` = P x G, ``num_generations`` = G, ``max_completion_length`` = the length.
+
+``--rounds R`` (default 3) measures every side R times, in turn (jaxalign, jaxalign shared prefix, TRL, then again),
+so that a slow spell of a shared machine falls on every side alike: each side's times are the median over the
+rounds of each round's median step, and each speed-up the median of the R per-round ratios (each round's sides
+measured minutes apart at most), with the per-round ratios in the JSON.
 """
 
 # ruff: noqa: E402  (the checkout's own jaxalign must come first on sys.path)
@@ -133,6 +138,28 @@ def trl_grpo(python: str, shape: str, run: dict) -> dict:
     return rows[-1]
 
 
+def pooled(measured: list[dict]) -> list[dict]:
+    """One row per (shape, side): the median over rounds of each round's step, rollout and train medians (a side
+    that failed in any round keeps that round's error), and for the jaxalign sides ``ratios``: TRL's time over
+    theirs in each round, for step, rollout and train."""
+    rows = []
+    for shape in dict.fromkeys(r["shape"] for r in measured):
+        torch_rows = {r["round"]: r for r in measured if r["shape"] == shape and r["side"] == "torch"}
+        for side in dict.fromkeys(r["side"] for r in measured if r["shape"] == shape):
+            rounds = [r for r in measured if r["shape"] == shape and r["side"] == side]
+            failed = next((r for r in rounds if "error" in r), None)
+            if failed:
+                rows.append(failed)
+                continue
+            row = {"side": side, "shape": shape, "rounds": rounds,
+                   **{k: float(np.median([r[k] for r in rounds])) for k in ("step_s", "rollout_s", "train_s")}}
+            theirs = [(torch_rows.get(r["round"]), r) for r in rounds]
+            if side != "torch" and all(t is not None and "step_s" in t for t, _ in theirs):
+                row["ratios"] = {k: [t[f"{k}_s"] / r[f"{k}_s"] for t, r in theirs] for k in ("step", "rollout", "train")}
+            rows.append(row)
+    return rows
+
+
 def model_gflop(shape: str, run: dict) -> dict:
     """Model FLOPs of one step (PaLM formula, as benchmarks/cpu.py): the update's forward + backward over every
     prompt + completion token, and the rollout's forward over each prompt once and every completion token."""
@@ -157,7 +184,8 @@ def markdown(result: dict) -> str:
     lines = [f"GRPO step, jaxalign vs TRL {result.get('trl_version') or ''} `GRPOTrainer` (no vLLM), "
              f"{result['date']}, {result['machine']['cpu']} ({result['machine']['cores']} cores), float32; "
              f"{run['prompts']} prompts x {run['generations']} completions, prompt {run['prompt_length']} + completion "
-             f"{run['completion_length']} tokens, median of {run['reps']} steps after a warm-up step.", "",
+             f"{run['completion_length']} tokens; each side measured in {run['rounds']} rounds, in turn, a round's "
+             f"time the median of {run['reps']} steps after a warm-up step, the table's the median over rounds.", "",
              f"Measured f32 matmul peak (JAX): {result['peak_gflops']:.1f} GFLOP/s.", "",
              "| shape | side | step (s) | rollout (s) | train (s) | rollout MFU | train MFU | jaxalign speed-up |",
              "|---|---|---|---|---|---|---|---|"]
@@ -172,10 +200,10 @@ def markdown(result: dict) -> str:
                 lines.append(f"| {shape} | {name} | error: {row['error'][:120]} | | | | | |")
                 continue
             ratio = ""
-            if name.startswith("jaxalign") and theirs and "step_s" in theirs:
-                ratio = (f"step {theirs['step_s'] / row['step_s']:.2f}x, rollout "
-                         f"{theirs['rollout_s'] / row['rollout_s']:.2f}x, "
-                         f"train {theirs['train_s'] / row['train_s']:.2f}x")
+            if "ratios" in row:  # the median of the per-round ratios; each round's step ratio in brackets
+                median = {k: float(np.median(v)) for k, v in row["ratios"].items()}
+                ratio = (f"step {median['step']:.2f}x ({', '.join(f'{x:.2f}' for x in row['ratios']['step'])}), "
+                         f"rollout {median['rollout']:.2f}x, train {median['train']:.2f}x")
             lines.append(f"| {shape} | {name} | {row['step_s']:.3f} | {row['rollout_s']:.3f} | {row['train_s']:.3f} | "
                          f"{100 * row['rollout_mfu']:.1f} % | {100 * row['train_mfu']:.1f} % | {ratio} |")
         gflop = ours.get("gflop")
@@ -193,22 +221,26 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, tiny shape only; nothing written")
     parser.add_argument("--no-torch", action="store_true", help="the jaxalign side only")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    parser.add_argument("--rounds", type=int, default=3, help="times each side is measured, in turn")
     args = parser.parse_args()
     run = SMOKE_RUN if args.smoke else RUN
     shapes = ["tiny"] if args.smoke else list(SHAPES)
     python, how = (None, "skipped (--no-torch)") if args.no_torch else torch_python(args.smoke)
-    rows = []
-    for shape in shapes:
-        for shared_prefix in (False, True):
-            rows.append(jax_grpo(shape, run, shared_prefix))
-            print(json.dumps(rows[-1]), flush=True)
-        if python:
-            rows.append(trl_grpo(python, shape, run))
-            print(json.dumps(rows[-1]), flush=True)
+    measured = []
+    for round_ in range(args.rounds):
+        for shape in shapes:
+            for shared_prefix in (False, True):
+                measured.append({**jax_grpo(shape, run, shared_prefix), "round": round_})
+                print(json.dumps(measured[-1]), flush=True)
+            if python:
+                measured.append({**trl_grpo(python, shape, run), "round": round_})
+                print(json.dumps(measured[-1]), flush=True)
+    rows = pooled(measured)
     # the matmul peak last: run first, its 4096^3 products slowed the jaxalign rollouts after it by 30 % (measured)
     peak = jax_peak(SMOKE_PEAK_SIZES if args.smoke else PEAK_SIZES)["gflops"]
     rows = [with_mfu(row, model_gflop(row["shape"], run), peak) for row in rows]
-    result = {"date": datetime.date.today().isoformat(), "machine": machine(), "run": run, "shapes": shapes,
+    result = {"date": datetime.date.today().isoformat(), "machine": machine(), "run": {**run, "rounds": args.rounds},
+              "shapes": shapes,
               "peak_gflops": peak,
               "torch_interpreter": how, "rows": rows,
               "trl_version": next((r.get("trl") for r in rows if r.get("trl")), None)}
