@@ -243,7 +243,7 @@ def main() -> None:
               "shapes": shapes,
               "peak_gflops": peak,
               "torch_interpreter": how, "rows": rows,
-              "trl_version": next((r.get("trl") for r in rows if r.get("trl")), None)}
+              "trl_version": next((r.get("trl") for r in measured if r.get("trl")), None)}
     text = markdown(result)
     print(text)
     if not args.smoke:
