@@ -307,7 +307,7 @@ def test_plan_counts_the_rollout_kv_cache():
     result = plan(config, 1)
     hp, arch = config.objective.params, config.model.shape
     head_dim = arch.hidden_size // arch.num_heads
-    expected = 2 * arch.num_layers * 16 * 8 * 256 * arch.num_kv_heads * head_dim * 4  # 64 + 8 tokens -> bucket 256
+    expected = 2 * arch.num_layers * 16 * 8 * 128 * arch.num_kv_heads * head_dim * 4  # 64 + 8 tokens -> bucket 128
     assert result.bytes["rollout KV cache"] == expected
     assert result.bytes["old log-probs"] == 128 * (64 + hp.max_completion_length) * 4
     assert result.sequence_length == 64 + hp.max_completion_length
