@@ -11,12 +11,13 @@
    the first token cancel; best of 3 calls each), so tokens/s is the decode loop's own rate. Every decode step reads
    all weights once (the tied embedding table as the LM head) plus the KV cache's filled bucket, so the bandwidth
    limit is ``bandwidth / bytes per step`` and the fraction reached is tokens/s of one row over that limit (batch 1;
-   at batch 8 the same bytes serve 8 rows). Arms: the model's scanned layers (``layers="scanned"``), unrolled for
-   decoding (``layers="unrolled"``, the CPU default), and bfloat16 weights (``weights="bfloat16"``, unrolled).
-3. bfloat16 against float32 greedy on the same prompts, ``new`` tokens each: the share of positions whose token is
-   the same (free-running: after the first difference the two continuations part, so this counts every later
-   position as a difference only when the tokens differ), the share of rows identical to the end, the mean length
-   of the identical prefix, and teacher-forced agreement (bfloat16 weights' argmax at every position of the float32
+   at batch 8 the same bytes serve 8 rows). Arms (``--arms``): the model's scanned layers (``layers="scanned"``),
+   unrolled for decoding (``layers="unrolled"``, the CPU default), bfloat16 weights (``weights="bfloat16"``,
+   unrolled) and int8 weights (``weights="int8"``, per-output-channel scales, unrolled).
+3. bfloat16, then int8, against float32 greedy on the same prompts, ``new`` tokens each: the share of positions
+   whose token is the same (free-running: after the first difference the two continuations part, so this counts
+   every later position as a difference only when the tokens differ), the share of rows identical to the end, the
+   mean length of the identical prefix, and teacher-forced agreement (the arm's argmax at every position of the float32
    continuation, fed in whole: each step judged on the same context). Where a row parts, float32's gap between its
    two best logits there, beside the quantiles of that gap over all positions (is the parting at a near-tie?).
 4. ``--profile`` (CPU): where a step's time goes. One call of the unrolled float32 loop at batch 1 under
@@ -61,7 +62,8 @@ QUESTIONS = [
     "Suggest a name for a dog.", "What is the boiling point of water?", "Tell me a fun fact about space.",
 ]
 ARMS = (("float32, scanned layers", "scanned", "model"), ("float32, unrolled for decoding", "unrolled", "model"),
-        ("bfloat16 weights, unrolled", "unrolled", "bfloat16"))
+        ("bfloat16 weights, unrolled", "unrolled", "bfloat16"), ("int8 weights, unrolled", "unrolled", "int8"))
+ARM_NAMES = ("scanned", "unrolled", "bfloat16", "int8")  # --arms
 
 
 def best_of(fn, reps: int) -> float:
@@ -110,9 +112,11 @@ def chat_prompts(tokenizer, count: int) -> tuple[np.ndarray, np.ndarray]:
     return tokens, mask
 
 
-def decode_rows(model, tokens, mask, new: int, limit_gbs: float, batches, reps: int) -> list[dict]:
+def decode_rows(model, tokens, mask, new: int, limit_gbs: float, batches, reps: int, arms=ARM_NAMES) -> list[dict]:
     rows = []
-    for label, layers, weights in ARMS:
+    for name, (label, layers, weights) in zip(ARM_NAMES, ARMS, strict=True):
+        if name not in arms:
+            continue
         decoder = decoding_model(model, layers=layers, weights=weights)
         for batch in batches:
             t, m = tokens[:batch], mask[:batch]
@@ -182,10 +186,10 @@ def profile(model, tokens, mask, new: int) -> dict:
                       for k, v in per_kind.most_common(12)]}
 
 
-def agreement(model, tokens, mask, new: int) -> dict:
-    """bfloat16 weights against float32, greedy, on the same prompts."""
+def agreement(model, tokens, mask, new: int, weights: str = "bfloat16") -> dict:
+    """``weights`` (bfloat16 or int8 weights) against float32, greedy, on the same prompts."""
     full = sample(model, tokens, prompt_mask=mask, max_new_tokens=new)
-    half_model = decoding_model(model, weights="bfloat16")
+    half_model = decoding_model(model, weights=weights)
     half = sample(half_model, tokens, prompt_mask=mask, max_new_tokens=new)
     a, b = np.asarray(full.tokens), np.asarray(half.tokens)
     lengths = np.asarray(full.lengths)
@@ -220,6 +224,7 @@ def main() -> None:
                         "installed); section 3 needs real weights and is left out")
     parser.add_argument("--gib", type=float, default=1.0, help="size of the bandwidth passes' array")
     parser.add_argument("--profile", action="store_true", help="section 4 (CPU): where a step's time goes")
+    parser.add_argument("--arms", default=",".join(ARM_NAMES), help=f"section 2's arms, of {', '.join(ARM_NAMES)}")
     args = parser.parse_args()
     if args.random:
         return random_shapes(args)
@@ -240,9 +245,12 @@ def main() -> None:
     result = header(started, source, model)
     result["bandwidth"] = bandwidth(gib)
     print(json.dumps(result["bandwidth"]), flush=True)
-    result["decode"] = decode_rows(model, tokens, mask, new, result["bandwidth"]["limit_gbs"], batches, reps)
+    result["decode"] = decode_rows(model, tokens, mask, new, result["bandwidth"]["limit_gbs"], batches, reps,
+                                   args.arms.split(","))
     result["bf16_agreement"] = agreement(model, tokens, mask, new)
     print(json.dumps(result["bf16_agreement"]), flush=True)
+    result["int8_agreement"] = agreement(model, tokens, mask, new, "int8")
+    print(json.dumps(result["int8_agreement"]), flush=True)
     if args.profile:
         result["profile"] = profile(model, tokens, mask, new)
         print(json.dumps(result["profile"]), flush=True)
@@ -280,7 +288,8 @@ def random_shapes(args) -> None:
             result["decode"], result["params"] = [], {}
         result["params"][name] = int(sum(x.size for x in jax.tree.leaves(nnx.state(model))))
         tokens = np.random.default_rng(0).integers(3, model.config.vocab_size, (8, 32)).astype(np.int32)
-        for row in decode_rows(model, tokens, np.ones_like(tokens), 128, result["bandwidth"]["limit_gbs"], (1, 8), 3):
+        for row in decode_rows(model, tokens, np.ones_like(tokens), 128, result["bandwidth"]["limit_gbs"], (1, 8), 3,
+                               args.arms.split(",")):
             result["decode"].append({"shape": name, **row})
         del model
         write(result, started, Path(args.out), f"-{jax.default_backend()}")  # after each shape: a cut run keeps it

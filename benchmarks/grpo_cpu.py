@@ -155,7 +155,8 @@ def pooled(measured: list[dict]) -> list[dict]:
                    **{k: float(np.median([r[k] for r in rounds])) for k in ("step_s", "rollout_s", "train_s")}}
             theirs = [(torch_rows.get(r["round"]), r) for r in rounds]
             if side != "torch" and all(t is not None and "step_s" in t for t, _ in theirs):
-                row["ratios"] = {k: [t[f"{k}_s"] / r[f"{k}_s"] for t, r in theirs] for k in ("step", "rollout", "train")}
+                row["ratios"] = {k: [t[f"{k}_s"] / r[f"{k}_s"] for t, r in theirs]
+                                 for k in ("step", "rollout", "train")}
             rows.append(row)
     return rows
 

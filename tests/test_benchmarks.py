@@ -91,18 +91,19 @@ def test_scan_layers_benchmark_smoke_compares_both_arms():
 @pytest.mark.slow
 def test_decode_benchmark_smoke_measures_every_arm(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run([sys.executable, "benchmarks/decode.py", "--smoke", "--profile", "--out", str(tmp_path)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=400)
+    done = subprocess.run([sys.executable, "benchmarks/decode.py", "--smoke", "--profile", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     [path] = tmp_path.glob("decode-*-smoke.json")
     result = json.loads(path.read_text())
     assert result["bandwidth"]["limit_gbs"] > 0
     assert {(r["layers"], r["weights"], r["batch"]) for r in result["decode"]} == {
         (layers, weights, batch) for layers, weights in (("scanned", "model"), ("unrolled", "model"),
-                                                          ("unrolled", "bfloat16")) for batch in (1, 4)}
+                                                          ("unrolled", "bfloat16"), ("unrolled", "int8"))
+        for batch in (1, 4)}
     assert all(r["bytes_per_step"] > 0 and math.isfinite(r["bandwidth_fraction"]) for r in result["decode"])
-    agreement = result["bf16_agreement"]
-    assert 0 <= agreement["free_running_same_tokens"] <= 1 and 0 <= agreement["teacher_forced_same_argmax"] <= 1
+    for agreement in (result["bf16_agreement"], result["int8_agreement"]):
+        assert 0 <= agreement["free_running_same_tokens"] <= 1 and 0 <= agreement["teacher_forced_same_argmax"] <= 1
     profile = result["profile"]  # XLA:CPU's operations per decode step
     assert profile["ops_at_once"] >= 0.99 and profile["ops_ms_per_step"] <= profile["wall_ms_per_step"] * 1.01
     assert any(k["kind"].startswith("dot") for k in profile["kinds"])

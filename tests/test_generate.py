@@ -202,3 +202,41 @@ def test_cache_buckets_are_few_and_leave_at_most_a_third_unused():
     assert len(set(sizes)) == 12  # 128 ... 6144: two sizes per doubling
     assert all(size >= n and (n <= 128 or 3 * (size - n) <= size) for n, size in enumerate(sizes, 1))
     assert sizes == sorted(sizes)
+
+
+def test_int8_weights_quantize_per_output_channel_and_decode():
+    from flax import nnx
+
+    from jaxalign.models import LlamaConfig, lora
+    from jaxalign.models.llama import int8_weights
+    from jaxalign.sampling import decoding_model, sample
+
+    kernel = jax.random.normal(jax.random.key(0), (16, 3, 4)) * jnp.arange(1, 13).reshape(3, 4)
+    q, scale = int8_weights(kernel, 1)
+    assert q.dtype == jnp.int8 and scale.shape == (3, 4)
+    assert int(jnp.abs(q).max()) == 127  # each channel's largest weight maps to +-127
+    assert bool(jnp.all(jnp.abs(q * scale - kernel) <= scale / 2 + 1e-6))  # rounding: half a step at most
+    q, scale = int8_weights(jnp.zeros((4, 2)), 1)
+    assert float(jnp.abs(q).max()) == 0 and np.all(np.asarray(scale) == 1)
+
+    for tied in (True, False):  # scanned layers: int8 unrolls them
+        config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+                             num_kv_heads=2, scan_layers=True, tie_word_embeddings=tied)
+        model = create_model(config, seed=3)
+        int8 = decoding_model(model, weights="int8")
+        leaves = jax.tree.leaves(nnx.state(int8))
+        float_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+        assert sum(x.nbytes for x in leaves) < 0.3 * float_bytes  # int8 kernels and float32 scales, norms
+        tokens, mask = left_padded_prompts()
+        full, quantized = model(tokens, mask), int8(tokens, mask)
+        assert float(jnp.abs(quantized - full).max()) < 0.1 * float(jnp.abs(full).max())
+        expected = greedy_without_cache(int8, tokens, mask, 6)  # the int8 model's own function, with a cache
+        np.testing.assert_array_equal(sample(model, tokens, prompt_mask=mask, max_new_tokens=6,
+                                             weights="int8").tokens, expected)
+        assert str(model.embed_tokens[...].dtype) == "float32"  # the model itself is untouched
+
+    with_adapters = lora.attach(model, lora.LoRAConfig(rank=2, targets=("q_proj",)), nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"int8.*LoRA"):
+        decoding_model(with_adapters, weights="int8")
+    with pytest.raises(ValueError, match="int8"):
+        decoding_model(create_model(config, seed=3), weights="int8", layers="scanned")

@@ -97,6 +97,47 @@ def dense(x: jax.Array, kernel: jax.Array, contract: int = 1) -> jax.Array:
     return flat.reshape(*lead, *out)
 
 
+def project(module: nnx.Module, name: str, x: jax.Array, contract: int = 1) -> jax.Array:
+    """``x`` through the kernel ``name`` of ``module`` (``dense``); an int8 kernel (``quantize_int8``, decoding with
+    ``weights="int8"``) is multiplied by its per-output-channel scale ``{name}_scale`` after the product."""
+    y = dense(x, getattr(module, name)[...].astype(x.dtype), contract)
+    scale = getattr(module, f"{name}_scale", None)
+    return y if scale is None else y * scale[...].astype(y.dtype)
+
+
+INT8_KERNELS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, "up_proj": 1, "down_proj": 1,
+                "lm_head": 1}  # kernel -> its contracted leading dims; the tied embedding table is per row
+
+
+def int8_weights(kernel: jax.Array, contract: int) -> tuple[jax.Array, jax.Array]:
+    """Symmetric per-output-channel int8: ``(q, scale)`` with ``kernel ~= q * scale``, ``q`` in [-127, 127] and
+    ``scale`` (float32, the output dims) = the channel's largest magnitude over the ``contract`` leading dims / 127
+    (1 where a channel is all zero)."""
+    magnitude = jnp.max(jnp.abs(kernel.astype(jnp.float32)), axis=tuple(range(contract)))
+    scale = jnp.where(magnitude > 0, magnitude / 127.0, 1.0)
+    return jnp.clip(jnp.round(kernel.astype(jnp.float32) / scale), -127, 127).astype(jnp.int8), scale
+
+
+def quantize_int8(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """``model`` with every attention and MLP kernel, the LM head and the embedding table (per row: its rows are
+    the tied head's output channels) stored as int8 with per-output-channel scales (``{name}_scale``), in place.
+    For decoding (``sampling.decoding_model(weights="int8")``): per-layer (unrolled) models only; a mixture of
+    experts' experts and router stay as they are."""
+    if layer_plan(model.config)[2]:
+        raise ValueError("int8 weights need the layers one by one (decoding_model unrolls a scanned model)")
+    for _, module in nnx.iter_modules(model):
+        for name, contract in INT8_KERNELS.items():
+            variable = getattr(module, name, None)
+            if isinstance(variable, nnx.Param):
+                q, scale = int8_weights(variable[...], contract)
+                variable.set_value(q)
+                setattr(module, f"{name}_scale", nnx.Variable(scale))
+    q, scale = int8_weights(model.embed_tokens[...].T, 1)  # per row of the [V, D] table
+    model.embed_tokens.set_value(q.T)
+    model.embed_tokens_scale = nnx.Variable(scale)
+    return model
+
+
 def with_adapter(module: nnx.Module, kernel: str, x: jax.Array, y: jax.Array) -> jax.Array:
     """``y`` (= ``x`` through ``kernel``) plus the LoRA update of the adapter attached as ``{kernel}_lora``, if any
     (``jaxalign.models.lora``)."""
@@ -185,8 +226,7 @@ class Attention(nnx.Module):
         self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
 
     def _project(self, x, name: str) -> jax.Array:
-        kernel = getattr(self, f"{name}_proj")[...].astype(x.dtype)
-        y = with_adapter(self, f"{name}_proj", x, dense(x, kernel))
+        y = with_adapter(self, f"{name}_proj", x, project(self, f"{name}_proj", x))
         if self.config.qkv_bias:
             y = y + getattr(self, f"{name}_bias")[...].astype(x.dtype)
         if self.config.qk_norm and name != "v":
@@ -282,8 +322,7 @@ class Attention(nnx.Module):
                                 out_own.reshape(batch, g * c, cfg.num_heads, hd)], axis=1)
 
     def _output(self, heads: jax.Array) -> jax.Array:
-        y = dense(heads, self.o_proj[...].astype(heads.dtype), contract=2)
-        y = with_adapter(self, "o_proj", heads, y)
+        y = with_adapter(self, "o_proj", heads, project(self, "o_proj", heads, contract=2))
         if self.config.o_bias:
             y = y + self.o_bias[...].astype(heads.dtype)
         return y
@@ -302,15 +341,14 @@ class MLP(nnx.Module):
             self.down_bias = _param(rngs, (d,), ("embed",), pd, init="zeros")
 
     def __call__(self, x):
-        def project(inputs, name):
-            y = dense(inputs, getattr(self, f"{name}_proj")[...].astype(x.dtype))
-            y = with_adapter(self, f"{name}_proj", inputs, y)
+        def through(inputs, name):
+            y = with_adapter(self, f"{name}_proj", inputs, project(self, f"{name}_proj", inputs))
             return y + getattr(self, f"{name}_bias")[...].astype(x.dtype) if self.config.mlp_bias else y
 
-        gate = project(x, "gate")
+        gate = through(x, "gate")
         activated = jax.nn.gelu(gate, approximate=True) if self.config.hidden_act == "gelu_tanh" else jax.nn.silu(gate)
-        hidden = activated * project(x, "up")
-        return project(constrain(hidden, ("batch", "length", "mlp")), "down")
+        hidden = activated * through(x, "up")
+        return through(constrain(hidden, ("batch", "length", "mlp")), "down")
 
 
 class MoE(nnx.Module):
@@ -669,7 +707,14 @@ class LlamaForCausalLM(nnx.Module):
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """Token embeddings ``[B, T, D]`` in the compute dtype."""
-        return self.embed_rows(self.embed_tokens[...], tokens)
+        scale = getattr(self, "embed_tokens_scale", None)
+        if scale is None:
+            return self.embed_rows(self.embed_tokens[...], tokens)
+        rows = (jnp.take(self.embed_tokens[...], tokens, axis=0).astype(jnp.float32)  # int8 rows (quantize_int8)
+                * jnp.take(scale[...], tokens, axis=0)[..., None])
+        if self.config.embed_scale:
+            rows = rows * self.config.hidden_size ** 0.5
+        return rows.astype(self.config.dtype)
 
     def embed_rows(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
         """``tokens``' rows of ``table`` (this model's embedding table, or a copy of it, e.g. without gradient) as
@@ -683,6 +728,9 @@ class LlamaForCausalLM(nnx.Module):
     def unembed(self, hidden: jax.Array) -> jax.Array:
         """Logits ``[B, T, V]`` from final (normed) hidden states (soft-capped with ``final_softcap``)."""
         logits = dense(hidden, self.head_kernel().astype(hidden.dtype))
+        scale = getattr(self, "embed_tokens_scale" if self.config.tie_word_embeddings else "lm_head_scale", None)
+        if scale is not None:  # an int8 head (quantize_int8): per-output-channel scales
+            logits = logits * scale[...].astype(logits.dtype)
         return constrain(softcap(logits, self.config.final_softcap), ("batch", "length", "vocab"))
 
     def head_kernel(self) -> jax.Array:

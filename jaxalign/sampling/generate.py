@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxalign.models.llama import KVCache, LlamaForCausalLM, layer_plan, unstack_layers
+from jaxalign.models.llama import KVCache, LlamaForCausalLM, layer_plan, quantize_int8, unstack_layers
 
 MIN_CACHE_BUCKET = 128
 DECODE_LAYERS = ("auto", "scanned", "unrolled")
-DECODE_WEIGHTS = ("model", "float32", "bfloat16")
+DECODE_WEIGHTS = ("model", "float32", "bfloat16", "int8")
 # the backends where layers="auto" unrolls a scanned model for decoding: measured faster there (docs/benchmarks.md)
 UNROLL_BACKENDS = ("cpu", "gpu")
 
@@ -177,12 +177,17 @@ def decoding_model(model: LlamaForCausalLM, *, layers: str = "auto", weights: st
     if weights not in DECODE_WEIGHTS:
         raise ValueError(f"weights={weights!r}: expected one of {DECODE_WEIGHTS}")
     stacked = bool(layer_plan(model.config)[2])
-    adapters = stacked and bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    has_adapters = bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    adapters = stacked and has_adapters
     if layers == "unrolled" and adapters:
         raise ValueError("layers='unrolled' needs a model without LoRA adapters: merge them first "
                          "(jaxalign.models.lora.merge_weights) or decode with layers='scanned'")
+    if weights == "int8" and (has_adapters or (stacked and layers == "scanned")):
+        raise ValueError("weights='int8' needs a model without LoRA adapters (merge them first: "
+                         "jaxalign.models.lora.merge_weights) and its layers one by one (layers='auto' or 'unrolled')")
     measured_faster = jax.default_backend() in UNROLL_BACKENDS
-    unroll = stacked and not adapters and (layers == "unrolled" or (layers == "auto" and measured_faster))
+    unroll = stacked and not adapters and (layers == "unrolled" or weights == "int8"
+                                           or (layers == "auto" and measured_faster))
     if not unroll and weights == "model":
         return model
     if unroll:
@@ -192,6 +197,8 @@ def decoding_model(model: LlamaForCausalLM, *, layers: str = "auto", weights: st
         nnx.replace_by_pure_dict(state, unstack_layers(model.config, nnx.to_pure_dict(nnx.state(model))))
     else:
         graphdef, state = nnx.split(model)
+    if weights == "int8":
+        return quantize_int8(nnx.merge(graphdef, state))
     if weights != "model":
         dtype = jnp.dtype(weights)
         state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
