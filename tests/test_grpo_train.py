@@ -239,6 +239,7 @@ def test_grpo_resumes_across_a_change_of_layer_layout(uninterrupted, tmp_path):
     (["--config.objective.params.stop_strings=[1, 2]"], "stop_strings=.* a JSON list must hold non-empty strings"),
     (["--config.objective.params.sampling_correction=token"], "sampling_correction='token'; choose one of"),
     (["--config.objective.params.temperature=0"], "temperature > 0"),
+    (["--config.objective.params.rollout_weights=fp8"], "rollout_weights='fp8'; choose one of"),
     (["--config.objective.params.shared_prefix=True"], "make 4 groups of num_generations=4, which must be a whole "
                                                        "number divisible by the 8 data-parallel shards"),
     (["--config.objective.params.shared_prefix=True", "--config.objective.params.steps_per_generation=8",
@@ -359,3 +360,22 @@ def test_stop_strings_and_the_sampling_correction_in_a_run(tmp_path):
     for row in train_rows:  # the sampler and the trainer are the same model in the same dtype: weights ~ 1
         assert row["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
         assert row["entropy"] > 0
+
+
+def test_rollouts_with_int8_weights_train_with_recomputed_old_logps(tmp_path):
+    from jaxalign.objectives import make_params
+
+    assert make_params("grpo", {"rollout_weights": "bfloat16"}).recompute_old_logps
+    workdir = tmp_path / "run"
+    summary = train(grpo_config(workdir, "--config.train.steps=2", "--config.eval.generate=0",
+                                "--config.objective.params.sft_steps=40",
+                                "--config.objective.params.rollout_weights=int8",
+                                "--config.objective.params.sampling_correction=token_truncate"))
+    assert summary["step"] == 2
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    ratios = [r["sampling/importance_sampling_ratio/mean"] for r in rows if r["split"] == "train"]
+    assert ratios and all(np.isfinite(ratios))
+    assert any(abs(ratio - 1.0) > 1e-4 for ratio in ratios)  # int8 rollouts: the sampler is not the policy
+    with pytest.raises(ConfigError, match="rollout_weights='int8' decodes merged weights"):
+        validate(grpo_config(tmp_path / "lora", "--config.objective.params.rollout_weights=int8",
+                             "--config.lora.enabled=True", "--config.model.path=somewhere"), num_devices=1)

@@ -13,6 +13,8 @@ from jaxalign import losses
 from jaxalign.losses.grpo import ESTIMATORS, SAMPLING_CORRECTIONS, SCALE_REWARDS, check_grpo_options
 from jaxalign.objectives.common import SHARED_FIELDS, EngineParams, Metric, policy_token_logps, require
 
+ROLLOUT_WEIGHTS = ("model", "bfloat16", "int8")  # sampling.decoding_model's weight-only choices for rollouts
+
 
 @dataclasses.dataclass(frozen=True)
 class GRPOParams(EngineParams):
@@ -31,7 +33,9 @@ class GRPOParams(EngineParams):
     truncated / masked importance sampling for the sampler-trainer mismatch (``losses.sampling_correction``;
     the sampling policy's log-probs are then always recomputed by the trainer), bounds ``sampling_clip_min``
     (0 = none) and ``sampling_clip_max`` (0 = none). ``shared_prefix``: the training forward passes take each
-    group's prompt once (one row per group, ``data.batching.group_rows``); the same loss and gradients."""
+    group's prompt once (one row per group, ``data.batching.group_rows``); the same loss and gradients.
+    ``rollout_weights``: the weights the rollouts decode with (``sampling.sample``'s ``weights``: "model",
+    "bfloat16", "int8"); other than "model", the sampling policy's log-probs are recomputed by the trainer."""
 
     loss_type: str = "dapo"
     beta: float = 0.0
@@ -61,6 +65,7 @@ class GRPOParams(EngineParams):
     sampling_clip_min: float = 0.0
     sampling_clip_max: float = 3.0
     shared_prefix: bool = False
+    rollout_weights: str = "model"
 
     @property
     def reference_free(self) -> bool:  # the frozen reference is held only for the KL term
@@ -84,7 +89,8 @@ class GRPOParams(EngineParams):
     @property
     def recompute_old_logps(self) -> bool:
         """Whether the trainer computes the sampling policy's log-probs with a forward pass of its own."""
-        return self.num_iterations > 1 or self.steps_per_generation > 1 or self.sampling_correction != "none"
+        return (self.num_iterations > 1 or self.steps_per_generation > 1 or self.sampling_correction != "none"
+                or self.rollout_weights != "model")
 
     def __post_init__(self):
         check_grpo_options(self.loss_type, self.importance_sampling_level, self.max_completion_length)
@@ -103,6 +109,8 @@ class GRPOParams(EngineParams):
                 self.sampling_clip_max and self.sampling_clip_min > self.sampling_clip_max):
             problems.append(f"sampling_clip_min={self.sampling_clip_min}, sampling_clip_max="
                             f"{self.sampling_clip_max}: need 0 <= min <= max (0 = no bound)")
+        if self.rollout_weights not in ROLLOUT_WEIGHTS:
+            problems.append(f"rollout_weights={self.rollout_weights!r}; choose one of {ROLLOUT_WEIGHTS}")
         if self.scale_rewards not in SCALE_REWARDS:
             problems.append(f"scale_rewards={self.scale_rewards!r}; choose one of {SCALE_REWARDS}")
         if self.estimator not in ESTIMATORS:

@@ -218,7 +218,8 @@ class GRPORun:
         ids, mask = self.prompt_ids[indices], self.prompt_mask[indices]
         gen = sample(self.engine.policy(), ids, prompt_mask=mask, max_new_tokens=hp.max_completion_length,
                      temperature=hp.temperature, top_k=hp.top_k, top_p=hp.top_p, eos_id=tok.eos_id, pad_id=self.pad,
-                     seed=rollout_seed(self.spec.seed, self.step, refill), num_samples=g)
+                     seed=rollout_seed(self.spec.seed, self.step, refill), num_samples=g,
+                     weights=hp.rollout_weights)
         completion, lengths = to_host(gen.tokens), to_host(gen.lengths)
         lengths = stop_string_lengths(completion, lengths, hp.stops,
                                       lambda row: tok.hf.decode(row, skip_special_tokens=True))

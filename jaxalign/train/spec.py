@@ -359,6 +359,9 @@ class TrainSpec:
             if run.lora.enabled and not run.model.path:
                 problems.append("GRPO with LoRA needs a base model: set model.path (e.g. an exported SFT run); the "
                                 "SFT start (objective.params.sft_steps) trains a full model")
+            if run.lora.enabled and params.rollout_weights == "int8":
+                problems.append("objective.params.rollout_weights='int8' decodes merged weights; with LoRA adapters "
+                                "use 'bfloat16' or 'model'")
         if self.max_skip_streak < 0:
             problems.append(f"train.max_skip_streak={self.max_skip_streak} must be >= 0 (0 = no limit)")
         if not 0 <= self.max_skip_fraction <= 1:
