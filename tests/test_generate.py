@@ -219,9 +219,9 @@ def test_int8_weights_quantize_per_output_channel_and_decode():
     q, scale = int8_weights(jnp.zeros((4, 2)), 1)
     assert float(jnp.abs(q).max()) == 0 and np.all(np.asarray(scale) == 1)
 
-    for tied in (True, False):  # scanned layers: int8 unrolls them
+    for tied, scanned in ((True, True), (False, True), (True, False)):  # scanned layers: int8 unrolls them
         config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
-                             num_kv_heads=2, scan_layers=True, tie_word_embeddings=tied)
+                             num_kv_heads=2, scan_layers=scanned, tie_word_embeddings=tied)
         model = create_model(config, seed=3)
         int8 = decoding_model(model, weights="int8")
         leaves = jax.tree.leaves(nnx.state(int8))
@@ -239,4 +239,4 @@ def test_int8_weights_quantize_per_output_channel_and_decode():
     with pytest.raises(ValueError, match=r"int8.*LoRA"):
         decoding_model(with_adapters, weights="int8")
     with pytest.raises(ValueError, match="int8"):
-        decoding_model(create_model(config, seed=3), weights="int8", layers="scanned")
+        decoding_model(create_model(config.replace(scan_layers=True), seed=3), weights="int8", layers="scanned")

@@ -171,7 +171,10 @@ def decoding_model(model: LlamaForCausalLM, *, layers: str = "auto", weights: st
     parameters' dtype; "float32" / "bfloat16" casts every floating-point parameter (the compute dtype,
     ``config.dtype``, is unchanged: weight-only). bfloat16 halves the bytes each step streams, which is what
     decoding is bound by on a GPU or TPU; on the CPU it brought no speed (XLA:CPU converts the weights before
-    each matmul; docs/benchmarks.md)."""
+    each matmul; docs/benchmarks.md). "int8" stores the attention and MLP kernels, the LM head and the embedding
+    table as int8 with per-output-channel scales (``models.llama.quantize_int8``; a quarter of float32's bytes),
+    unrolling a scanned model and refusing LoRA adapters; on SmolLM2-135M it follows float32 greedy far less
+    closely than bfloat16 (docs/sampling.md)."""
     if layers not in DECODE_LAYERS:
         raise ValueError(f"layers={layers!r}: expected one of {DECODE_LAYERS}")
     if weights not in DECODE_WEIGHTS:
@@ -197,8 +200,8 @@ def decoding_model(model: LlamaForCausalLM, *, layers: str = "auto", weights: st
         nnx.replace_by_pure_dict(state, unstack_layers(model.config, nnx.to_pure_dict(nnx.state(model))))
     else:
         graphdef, state = nnx.split(model)
-    if weights == "int8":
-        return quantize_int8(nnx.merge(graphdef, state))
+    if weights == "int8":  # new Variables (quantize_int8 sets values in place; ``model``'s own stay as they are)
+        return quantize_int8(nnx.merge(graphdef, jax.tree.map(lambda x: x, state)))
     if weights != "model":
         dtype = jnp.dtype(weights)
         state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
