@@ -57,13 +57,26 @@ WARMUP_LR = 3e-3  # the student's SFT warm-up (the rate SFT chose from the raw s
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    args = parser(__doc__).parse_args(argv)
+    options = parser(__doc__)
+    options.add_argument("--lrs", default="", help="comma-separated learning rates to tune over (default: "
+                         + ",".join(f"{lr:g}" for lr in LRS) + ")")
+    options.add_argument("--tune-seeds", type=int, default=2, help="how many of the first seeds choose each arm's "
+                         "rate on the validation pool")
+    options.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms of {tuple(ARMS)}; sft is "
+                         "always one (the others are compared with it)")
+    args = options.parse_args(argv)
+    if unknown := set(args.arms.split(",")) - set(ARMS):
+        options.error(f"--arms: unknown {sorted(unknown)}; choose from {tuple(ARMS)}")
+    arms = {arm: ARMS[arm] for arm in ARMS if arm == "sft" or arm in args.arms.split(",")}
+    lrs = tuple(float(lr) for lr in args.lrs.split(",")) if args.lrs else LRS
     started = time.time()
     sizes = (dict(train=200, validation=8, test=8, teacher_steps=4, warmup_steps=2, steps=4, teacher="smoke",
                   student="smoke", lrs=(3e-3,)) if args.smoke
              else dict(train=4000, validation=0, test=0, teacher_steps=1200, warmup_steps=150, steps=400,
-                       teacher="tiny", student="small", lrs=LRS))
+                       teacher="tiny", student="small", lrs=lrs))
     seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
+    if not 1 <= args.tune_seeds <= len(seeds):
+        options.error(f"--tune-seeds {args.tune_seeds}: need 1 to {len(seeds)} (the number of seeds)")
     root = workdir_of(args, STUDY)
     validation = arithmetic_pool("validation")[: sizes["validation"] or None]
     test = arithmetic_pool("test")[: sizes["test"] or None]
@@ -107,11 +120,13 @@ def main(argv: list[str] | None = None) -> dict:
 
         return cached_run(workdir / "result.json", fit)
 
-    tuned = tuned_arms(ARMS, sizes["lrs"], seeds, seeds[:2], run_one)
-    tests = {arm: [r["test"] for r in tuned["runs"][arm]] for arm in ARMS}
-    comparisons = {f"{LABELS[arm]} − SFT": paired_difference(tests[arm], tests["sft"]) for arm in ("kd", "gkd")}
+    tuned = tuned_arms(arms, sizes["lrs"], seeds, seeds[:args.tune_seeds], run_one)
+    tests = {arm: [r["test"] for r in tuned["runs"][arm]] for arm in arms}
+    comparisons = {f"{LABELS[arm]} − SFT": paired_difference(tests[arm], tests["sft"]) for arm in arms
+                   if arm != "sft"}
     results = {"sizes": {**sizes, "lrs": list(sizes["lrs"]), "validation": len(validation), "test": len(test)},
-               "seeds": seeds, "starts": [teacher_start.name, student_start.name], "teacher": teacher,
+               "seeds": seeds, "tune_seeds": seeds[:args.tune_seeds],
+               "starts": [teacher_start.name, student_start.name], "teacher": teacher,
                "student_start": warm,
                "chosen": tuned["chosen"], "sweep": sweep_summary(tuned), "runs": tuned["runs"],
                "comparisons": comparisons, "verdicts": {name: verdict(d) for name, d in comparisons.items()},
@@ -128,7 +143,7 @@ def _markdown(results: dict) -> str:
                  [[LABELS[arm], f"{results['chosen'][arm]:g}", ci_text([r["test"] for r in runs], 100),
                    ", ".join(f"{100 * r['test']:.1f}" for r in runs), f"{np.mean([r['seconds'] for r in runs]):.0f}"]
                   for arm, runs in results["runs"].items()])
-    return (f"Learning-rate sweep (validation exact match %, mean of seeds {results['seeds'][:2]}, "
+    return (f"Learning-rate sweep (validation exact match %, mean of seeds {results['tune_seeds']}, "
             f"{sizes['validation']} questions):\n\n{sweep_table(results, LABELS)}\n\nTest pool ({sizes['test']} "
             f"questions), seeds {', '.join(map(str, results['seeds']))}; students: the {sizes['student']} start "
             f"after {sizes['warmup_steps']} SFT steps (test exact match {100 * results['student_start']['test']:.1f} "
