@@ -16,16 +16,17 @@ clipping at 1.0), the reward = the share of even token ids in the completion (co
   per prompt, the KV cache shared), rewards, ``losses.group_advantages``, then the trainer's jitted step
   (``make_train_step`` with the ``grpo`` objective). Rollout = sampling through advantages (the tokens read back
   to the host); train = the step until its outputs are ready. Median over ``reps`` steps after a warm-up step
-  (the warm-up compiles). A second jaxalign arm, "jaxalign, shared prefix", trains with
-  ``objective.params.shared_prefix`` (each group's prompt once, ``data.batching.group_rows``; the same loss and
-  gradients, tested), which TRL has no counterpart of; its speed-up is reported beside the default arm's.
+  (the warm-up compiles). Two jaxalign arms: "a row per completion" (``objective.params.shared_prefix=false``)
+  and "shared prefix" (``true``: each group's prompt once, ``data.batching.group_rows``; the same loss and
+  gradients, tested), which TRL has no counterpart of. The default, ``"auto"``, takes the layout of fewer model
+  FLOPs (``data.batching.group_rows_cost``); the table marks the one it takes at each shape.
 * TRL 1.16 ``GRPOTrainer`` (``benchmarks/_torch_side.py``, task ``grpo``, in the torch virtualenv of
   ``benchmarks/cpu.py``): ``trainer.train()`` for reps + 1 steps; the step is timed from ``on_step_begin`` to
   ``on_step_end``, the rollout is the time inside ``_generate_and_score_completions`` (generation, decoding,
   rewards, advantages); train = step - rollout. ``GRPOConfig``: ``use_cpu``, no bf16, no gradient checkpointing,
   ``per_device_train_batch_size`` = P x G, ``num_generations`` = G, ``max_completion_length`` = the length.
 
-``--rounds R`` (default 3) measures every side R times, in turn (jaxalign, jaxalign shared prefix, TRL, then again),
+``--rounds R`` (default 3) measures every side R times, in turn (the two jaxalign arms, TRL, then again),
 so that a slow spell of a shared machine falls on every side alike: each side's times are the median over the
 rounds of each round's median step, and each speed-up the median of the R per-round ratios (each round's sides
 measured minutes apart at most), with the per-round ratios in the JSON.
@@ -58,7 +59,7 @@ from model_gpu import flops_per_token
 from train_step import OPTIM
 from train_step import SHAPES as STEP_SHAPES
 
-from jaxalign.data.batching import group_rows
+from jaxalign.data.batching import group_rows, group_rows_cost
 from jaxalign.losses import group_advantages
 from jaxalign.models import LlamaConfig, create_model
 from jaxalign.objectives import get_objective, make_params
@@ -161,6 +162,14 @@ def pooled(measured: list[dict]) -> list[dict]:
     return rows
 
 
+def auto_layout(shape: str, run: dict) -> dict:
+    """The layout ``shared_prefix="auto"`` (the default) trains this shape's groups in, and the model GFLOP of each."""
+    separate, grouped = group_rows_cost(LlamaConfig(**SHAPES[shape]), run["generations"], run["prompt_length"],
+                                        run["completion_length"])
+    return {"side": "jax-shared" if grouped < separate else "jax", "separate_gflop": separate / 1e9,
+            "grouped_gflop": grouped / 1e9}
+
+
 def model_gflop(shape: str, run: dict) -> dict:
     """Model FLOPs of one step (PaLM formula, as benchmarks/cpu.py): the update's forward + backward over every
     prompt + completion token, and the rollout's forward over each prompt once and every completion token."""
@@ -194,9 +203,13 @@ def markdown(result: dict) -> str:
         ours = next(r for r in result["rows"] if r["shape"] == shape and r["side"] == "jax")
         shared = next((r for r in result["rows"] if r["shape"] == shape and r["side"] == "jax-shared"), None)
         theirs = next((r for r in result["rows"] if r["shape"] == shape and r["side"] == "torch"), None)
-        for row, name in ((ours, "jaxalign"), (shared, "jaxalign, shared prefix"), (theirs, "TRL GRPOTrainer")):
+        default = result["auto"][shape]["side"]
+        for row, name in ((ours, "jaxalign, a row per completion"), (shared, "jaxalign, shared prefix"),
+                          (theirs, "TRL GRPOTrainer")):
             if row is None:
                 continue
+            if row["side"] == default:
+                name += " (the default here)"
             if "error" in row:
                 lines.append(f"| {shape} | {name} | error: {row['error'][:120]} | | | | | |")
                 continue
@@ -214,6 +227,9 @@ def markdown(result: dict) -> str:
                          f"{gflop['rollout'] / result['peak_gflops']:.3f} | "
                          f"{gflop['train'] / result['peak_gflops']:.3f} | 100 % | 100 % | "
                          f"at most {theirs['step_s'] / floor:.2f}x TRL |")
+    lines += ["", "The default (`shared_prefix=\"auto\"`) trains a group as the layout of fewer model FLOPs: "
+              + "; ".join(f"{shape}: {a['grouped_gflop']:.3g} GFLOP as one row, {a['separate_gflop']:.3g} as "
+                          f"{run['generations']} rows" for shape, a in result["auto"].items()) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -241,7 +257,7 @@ def main() -> None:
     peak = jax_peak(SMOKE_PEAK_SIZES if args.smoke else PEAK_SIZES)["gflops"]
     rows = [with_mfu(row, model_gflop(row["shape"], run), peak) for row in rows]
     result = {"date": datetime.date.today().isoformat(), "machine": machine(), "run": {**run, "rounds": args.rounds},
-              "shapes": shapes,
+              "shapes": shapes, "auto": {shape: auto_layout(shape, run) for shape in shapes},
               "peak_gflops": peak,
               "torch_interpreter": how, "rows": rows,
               "trl_version": next((r.get("trl") for r in measured if r.get("trl")), None)}

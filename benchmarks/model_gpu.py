@@ -58,8 +58,7 @@ def timed(fn, reps: int) -> float:
 
 
 def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
-    n = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
-    return 6 * n + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+    return cfg.flops_per_token(seq_len)  # 6N + 12·L·H·hd·T (PaLM), N without the embedding lookup
 
 
 def matmul_peak(size: int, reps: int) -> float:

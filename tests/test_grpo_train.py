@@ -1,7 +1,9 @@
 """The GRPO trainer: shared-prefill rollouts, the objective's micro-batch exactness for every loss type, an end-to-end
 run through ``train()`` (SFT start, samples, metrics, export), exact resume, and config validation."""
 
+import dataclasses
 import json
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,7 @@ import pytest
 from flax import nnx
 from test_train import SMALL
 
-from jaxalign.data.batching import group_rows
+from jaxalign.data.batching import group_rows, group_rows_cost
 from jaxalign.models import create_model
 from jaxalign.objectives import GRPOParams, get_objective
 from jaxalign.sampling import sample
@@ -191,12 +193,12 @@ def test_grpo_run_end_to_end(uninterrupted, tmp_path):
 
 
 @pytest.mark.slow  # end to end; the default suite keeps its parts
-def test_a_shared_prefix_run_equals_the_repeated_prompt_run(uninterrupted, tmp_path):
-    reference_dir, _ = uninterrupted
+def test_a_shared_prefix_run_equals_the_repeated_prompt_run(uninterrupted, tmp_path, capsys):
+    reference_dir, _ = uninterrupted  # 4 groups over 8 data shards: "auto" trains a row per completion
     workdir = tmp_path / "run"
-    summary = train(grpo_config(workdir, "--config.objective.params.shared_prefix=True",
-                                "--config.mesh.data=4", "--config.mesh.tensor=2"))  # 4 groups: 4 data shards
+    summary = train(grpo_config(workdir, "--config.mesh.data=4", "--config.mesh.tensor=2"))  # 4 groups: 4 shards
     assert summary["step"] == 4
+    assert "shared prefix: on" in capsys.readouterr().out  # "auto" (the default) groups short completions
     (_, a), (_, b) = final_params(workdir), final_params(reference_dir)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, atol=2e-5)
@@ -228,6 +230,59 @@ def test_grpo_resumes_across_a_change_of_layer_layout(uninterrupted, tmp_path):
     (_, a), (_, b) = final_params(workdir), final_params(reference_dir)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-5)
+
+
+def test_group_rows_cost_is_the_flop_count_of_each_layout(tiny_config):
+    weights, per_score = tiny_config.flops_per_token(0), tiny_config.flops_per_token(1) - tiny_config.flops_per_token(0)
+    separate, grouped = group_rows_cost(tiny_config, 8, 100, 4)
+    assert separate == 8 * (104 * weights + 104**2 * per_score)
+    assert grouped == 132 * weights + (100**2 + 8 * 4 * 104) * per_score  # per block (GroupLayout)
+    assert group_rows_cost(tiny_config, 8, 4, 100)[1] < group_rows_cost(tiny_config, 8, 4, 100)[0]  # never more
+    kernel = dataclasses.replace(tiny_config, attention_impl="pallas")  # attention over the whole row
+    separate, grouped = group_rows_cost(kernel, 8, 100, 4)
+    assert grouped == 132 * weights + 132**2 * per_score < separate  # long prompt, short completions: pays
+    separate, grouped = group_rows_cost(kernel, 8, 4, 100)
+    assert grouped > separate  # long completions: one row's attention over all of them costs more
+
+
+def test_flops_per_token_counts_the_routed_experts_and_the_head_not_the_lookup(tiny_config):
+    untied = dataclasses.replace(tiny_config, tie_word_embeddings=False)
+    d, v = untied.hidden_size, untied.vocab_size
+    assert untied.flops_per_token(0) == 6 * (untied.num_params() - v * d)
+    moe = dataclasses.replace(untied, architecture="mixtral", num_experts=4, num_experts_per_tok=2)
+    unused = moe.num_layers * 3 * d * moe.moe_intermediate_size * 2
+    assert moe.flops_per_token(0) == 6 * (moe.num_params() - v * d - unused)
+    heads = untied.num_layers * untied.num_heads * untied.head_dim
+    assert untied.flops_per_token(10) - untied.flops_per_token(0) == 12 * heads * 10
+
+
+@pytest.mark.parametrize(("given", "kept"), [("auto", "auto"), (True, True), ("true", True), ("False", False)])
+def test_shared_prefix_is_auto_true_or_false(given, kept):
+    assert GRPOParams().shared_prefix == "auto"
+    assert GRPOParams(shared_prefix=given).shared_prefix == kept
+    with pytest.raises(ValueError, match="shared_prefix='always'; choose auto, true or false"):
+        GRPOParams(shared_prefix="always")
+
+
+@pytest.mark.parametrize(("prompt", "overrides", "expected"), [
+    (64, ["--config.mesh.data=4"], True),  # long prompts, 4 groups over 4 shards: grouped
+    (8, ["--config.mesh.data=4", "--config.objective.params.max_completion_length=512",
+         "--config.model.attention_impl=pallas"],
+     False),  # the kernel's attention spans the row: with long completions 4 rows cost less
+    (8, ["--config.mesh.data=4", "--config.objective.params.max_completion_length=512"],
+     True),  # the dense path's per-block attention: grouped never costs more
+    (64, ["--config.mesh.data=8"], False),  # 4 groups do not split over 8 shards
+])
+def test_auto_shared_prefix_weighs_the_layout_and_the_cost(prompt, overrides, expected):
+    from jaxalign.rl.trainer import GRPORun
+    from jaxalign.train.build import model_config
+
+    spec = validate(grpo_config("/never", *overrides, "--config.mesh.tensor=-1"), num_devices=8)
+    logged = []
+    run = SimpleNamespace(hp=spec.objective.params, processes=1, prompt_ids=np.zeros((3, prompt), np.int32),
+                          engine=SimpleNamespace(model_config=model_config(spec)))
+    assert GRPORun.group_layout(run, spec, logged.append) is expected
+    assert logged[0].startswith(f"shared prefix: {'on' if expected else 'off'} (")
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

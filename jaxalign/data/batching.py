@@ -249,3 +249,19 @@ def group_rows(tokens: np.ndarray, attention_mask: np.ndarray, loss_mask: np.nda
            "group_predictor_index": np.concatenate([np.maximum(np.arange(prompt) - 1, 0)[None].repeat(groups, 0),
                                                     predictor.reshape(1, -1).repeat(groups, 0)], 1)}
     return {name: value.astype(np.int32) for name, value in out.items()}
+
+
+def group_rows_cost(config, group_size: int, prompt_slots: int, completion_length: int) -> tuple[float, float]:
+    """Model FLOPs of training a group's ``group_size`` completions (``LlamaConfig.flops_per_token``'s terms): as
+    ``group_size`` rows of ``P + C`` slots (``P = prompt_slots``, ``C = completion_length``), and as one
+    ``group_rows`` row of ``P + G·C``. The grouped row skips the repeated prompts. Its attention, where the model
+    runs it per block (``attention_impl="xla"``, no sliding window: ``GroupLayout``), scores ``P² + G·C·(P + C)``
+    query-key pairs, never more than the separate rows' ``G·(P + C)²``; elsewhere (the Pallas kernel, sliding
+    windows) it spans the whole row, ``(P + G·C)²``, which costs more than the separate rows when the completions
+    are long next to the prompt."""
+    weights = config.flops_per_token(0)  # per slot
+    per_score = config.flops_per_token(1) - weights  # per query-key pair
+    g, p, c = group_size, prompt_slots, completion_length
+    blockwise = config.attention_impl == "xla" and not any(map(config.layer_window, range(config.num_layers)))
+    scores = p * p + g * c * (p + c) if blockwise else (p + g * c) ** 2
+    return g * ((p + c) * weights + (p + c) ** 2 * per_score), (p + g * c) * weights + scores * per_score

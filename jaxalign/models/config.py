@@ -211,6 +211,18 @@ class LlamaConfig:
         head = d * self.num_labels if self.num_labels else 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.num_layers * per_layer + mlps + self.vocab_size * d + d + head
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of training on one token of a ``seq_len``-slot row, forward and backward (the PaLM formula):
+        6 x the weights a token is multiplied by (the LM or score head, not the embedding lookup; a mixture of
+        experts' routed ``num_experts_per_tok`` experts, not all of them) + 12 x layers x heads x head_dim x
+        ``seq_len`` for attention over the whole row, as the dense path computes it. A forward pass is a third."""
+        d, ffn = self.hidden_size, self.moe_intermediate_size
+        unused = sum(3 * d * ffn * (self.num_experts - self.num_experts_per_tok)
+                     for i in range(self.num_layers) if self.is_moe(i))
+        lookup = 0 if self.tie_word_embeddings and not self.num_labels else self.vocab_size * d
+        weights = self.num_params() - lookup - unused
+        return 6 * weights + 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+
     def is_moe(self, layer: int) -> bool:
         """Whether ``layer``'s MLP is a mixture of experts."""
         return bool(self.num_experts) and self.moe_layers[layer]

@@ -33,7 +33,10 @@ class GRPOParams(EngineParams):
     truncated / masked importance sampling for the sampler-trainer mismatch (``losses.sampling_correction``;
     the sampling policy's log-probs are then always recomputed by the trainer), bounds ``sampling_clip_min``
     (0 = none) and ``sampling_clip_max`` (0 = none). ``shared_prefix``: the training forward passes take each
-    group's prompt once (one row per group, ``data.batching.group_rows``); the same loss and gradients.
+    group's prompt once (one row per group, ``data.batching.group_rows``); the same loss and gradients. "auto"
+    (default): per generation batch, when fewer model FLOPs (``data.batching.group_rows_cost``: long prompts and
+    short completions) and whole groups fit each micro-batch, shard and process; ``True``: always (a layout that
+    splits groups is an error); ``False``: never.
     ``rollout_weights``: the weights the rollouts decode with (``sampling.sample``'s ``weights``: "model",
     "bfloat16", "int8"); other than "model", the sampling policy's log-probs are recomputed by the trainer."""
 
@@ -64,7 +67,7 @@ class GRPOParams(EngineParams):
     sampling_correction: str = "none"
     sampling_clip_min: float = 0.0
     sampling_clip_max: float = 3.0
-    shared_prefix: bool = False
+    shared_prefix: bool | str = "auto"
     rollout_weights: str = "model"
 
     @property
@@ -95,6 +98,11 @@ class GRPOParams(EngineParams):
     def __post_init__(self):
         check_grpo_options(self.loss_type, self.importance_sampling_level, self.max_completion_length)
         problems = []
+        spelled = {"auto": "auto", "true": True, "false": False}.get(str(self.shared_prefix).lower())
+        if spelled is None:
+            problems.append(f"shared_prefix={self.shared_prefix!r}; choose auto, true or false")
+        else:
+            object.__setattr__(self, "shared_prefix", spelled)
         try:
             if not isinstance(self.stop_strings, str):  # hashable, and written back as a JSON list
                 object.__setattr__(self, "stop_strings", self.stops)
@@ -124,7 +132,7 @@ class GRPOParams(EngineParams):
         if (self.prompts_per_step * self.num_generations) % self.steps_per_generation:
             problems.append(f"prompts_per_step x num_generations = {self.prompts_per_step * self.num_generations} "
                             f"completions do not split into steps_per_generation={self.steps_per_generation} steps")
-        elif self.shared_prefix and self.prompts_per_step % self.steps_per_generation:
+        elif self.shared_prefix is True and self.prompts_per_step % self.steps_per_generation:
             problems.append(f"shared_prefix trains whole groups: prompts_per_step={self.prompts_per_step} must be a "
                             f"multiple of steps_per_generation={self.steps_per_generation}")
         if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxalign.data.batching import group_rows
+from jaxalign.data.batching import group_rows, group_rows_cost
 from jaxalign.data.sources import read_records
 from jaxalign.data.tokenize import padding_id
 from jaxalign.data.toy import write_jsonl
@@ -37,7 +37,7 @@ from jaxalign.train.evaluate import exact_match, prompt_of, reduce
 from jaxalign.train.export import export
 from jaxalign.train.inputs import device_batch, materialise_data
 from jaxalign.train.loop import Skips, describe_mesh, train
-from jaxalign.train.spec import RunSpec, effective_config
+from jaxalign.train.spec import RunSpec, effective_config, whole_group_problems
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -149,10 +149,6 @@ class GRPORun:
                 raise ValueError(f"{rows} completions per optimizer step do not split over {self.processes} "
                                  "processes: make prompts_per_step x num_generations / steps_per_generation a "
                                  "multiple of the process count")
-            if self.hp.shared_prefix and (rows // self.hp.num_generations) % self.processes:
-                raise ValueError(f"objective.params.shared_prefix trains whole groups: the "
-                                 f"{rows // self.hp.num_generations} groups per optimizer step do not split over "
-                                 f"{self.processes} processes")
             if self.hp.dynamic_sampling:
                 raise ValueError("objective.params.dynamic_sampling runs in one process for now "
                                  f"({self.processes} processes joined)")
@@ -178,6 +174,7 @@ class GRPORun:
         self.prompt_ids, self.prompt_mask = left_pad(encoded, self.pad)
         log(f"data: {len(self.records)} prompts (up to {self.prompt_ids.shape[1]} tokens), "
             f"{len(self.eval_records)} held-out questions")
+        self.grouped = self.group_layout(spec, log)
         self.order = PromptOrder(len(self.records), spec.seed)
         self.rewards = resolve(self.hp.rewards, self.hp.reward_weights or None)
         stage()
@@ -249,6 +246,24 @@ class GRPORun:
         batch["advantages"] = advantages.astype(np.float32)
         return Rollouts(batch, texts, prompts, table, total, advantages, lengths, entropy, seconds)
 
+    def group_layout(self, spec: RunSpec, log) -> bool:
+        """Whether the training passes take each group's prompt once (``objective.params.shared_prefix``; "auto":
+        when whole groups fit the layout and ``group_rows_cost`` finds it cheaper at this run's prompt width)."""
+        hp = self.hp
+        blockers = whole_group_problems(spec, jax.device_count(), self.processes) if hp.shared_prefix else []
+        if hp.shared_prefix is True and blockers:
+            raise ValueError("; ".join(blockers))
+        if hp.shared_prefix != "auto":
+            return hp.shared_prefix
+        if blockers:
+            log(f"shared prefix: off ({'; '.join(blockers)})")
+            return False
+        separate, grouped = group_rows_cost(self.engine.model_config, hp.num_generations, self.prompt_ids.shape[1],
+                                            hp.max_completion_length)
+        log(f"shared prefix: {'on' if grouped < separate else 'off'} (a group trains in {grouped / 1e9:.3g} GFLOP "
+            f"as one row of its prompt and completions, {separate / 1e9:.3g} as {hp.num_generations} rows)")
+        return grouped < separate
+
     def local_rows(self, rows: int) -> slice:
         """This process's block of ``rows`` consecutive rows (all of them in one process)."""
         share = rows // self.processes
@@ -256,10 +271,10 @@ class GRPORun:
 
     def device_rows(self, batch: dict, rows: np.ndarray, fields: tuple[str, ...] | None = None) -> dict:
         """This process's share of ``rows`` of a generation batch (``fields`` of it, default all), on the devices;
-        with ``shared_prefix`` also the rows of whole groups (``group_rows``)."""
+        in the shared-prefix layout also the rows of whole groups (``group_rows``)."""
         mine = rows[self.local_rows(len(rows))]
         local = {k: batch[k][mine] for k in (fields or batch)}
-        if self.hp.shared_prefix:  # whole groups: steps and processes split at group boundaries (checked)
+        if self.grouped:  # whole groups: steps and processes split at group boundaries (checked)
             local.update(group_rows(local["tokens"], local["attention_mask"], local["loss_mask"],
                                     self.hp.num_generations, self.hp.max_completion_length))
         return device_batch(self.engine.batch_sharding, local)

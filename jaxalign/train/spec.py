@@ -415,15 +415,30 @@ class MeshSpec:
                             f"by the {self.data_parallel(num_devices)} data-parallel shards (mesh data x fsdp x "
                             "expert); "
                             "change train.batch_size or the mesh")
-        params = run.objective.params
-        if getattr(params, "shared_prefix", False) and run.objective.name == "grpo":
-            groups, shards = rows // params.num_generations, self.data_parallel(num_devices)
-            if rows % params.num_generations or groups % shards:
-                problems.append(f"objective.params.shared_prefix trains one row per group: the {rows} completions "
-                                f"of a micro-batch make {rows / params.num_generations:g} groups of "
-                                f"num_generations={params.num_generations}, which must be a whole number divisible "
-                                f"by the {shards} data-parallel shards; change train.grad_accum or the mesh")
+        if run.objective.name == "grpo" and getattr(run.objective.params, "shared_prefix", None) is True:
+            problems.extend(whole_group_problems(run, num_devices))
         return problems
+
+
+def whole_group_problems(run: RunSpec, num_devices: int, processes: int = 1) -> list[str]:
+    """Why GRPO's ``objective.params.shared_prefix`` (one row per group) cannot run in this layout: every
+    micro-batch, data-parallel shard, optimizer step and process must hold whole groups. Empty when it can."""
+    params, train = run.objective.params, run.train
+    g, rows = params.num_generations, train.batch_size // max(train.grad_accum, 1)
+    shards = run.mesh.data_parallel(num_devices)
+    problems = []
+    if params.prompts_per_step % params.steps_per_generation:
+        problems.append(f"prompts_per_step={params.prompts_per_step} must be a multiple of "
+                        f"steps_per_generation={params.steps_per_generation}")
+    if rows % g or (rows // g) % shards:
+        problems.append(f"objective.params.shared_prefix trains one row per group: the {rows} completions of a "
+                        f"micro-batch make {rows / g:g} groups of num_generations={g}, which must be a whole number "
+                        f"divisible by the {shards} data-parallel shards; change train.grad_accum or the mesh")
+    step_groups = params.prompts_per_step // params.steps_per_generation
+    if processes > 1 and step_groups % processes:
+        problems.append(f"objective.params.shared_prefix trains whole groups: the {step_groups} groups per "
+                        f"optimizer step do not split over {processes} processes")
+    return problems
 
 
 @dataclasses.dataclass(frozen=True)
