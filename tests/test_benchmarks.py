@@ -75,7 +75,9 @@ def test_grpo_benchmark_smoke_runs_the_jaxalign_side():
     assert row["rollout_s"] > 0 and row["train_s"] > 0
     assert row["step_s"] == pytest.approx(row["rollout_s"] + row["train_s"], rel=0.5)  # medians of each
     assert json.loads(done.stdout.splitlines()[1])["side"] == "jax-shared"
-    assert "| tiny | jaxalign |" in done.stdout and "| tiny | jaxalign, shared prefix |" in done.stdout
+    assert "| tiny | jaxalign, a row per completion |" in done.stdout
+    assert "| tiny | jaxalign, shared prefix (the default here) |" in done.stdout  # per-block attention: "auto"
+    assert 'The default (`shared_prefix="auto"`) trains a group as the layout of fewer model FLOPs' in done.stdout
 
 
 @pytest.mark.slow
