@@ -215,7 +215,7 @@ class LlamaConfig:
         """Model FLOPs of training on one token of a ``seq_len``-slot row, forward and backward (the PaLM formula):
         6 x the weights a token is multiplied by (the LM or score head, not the embedding lookup; a mixture of
         experts' routed ``num_experts_per_tok`` experts, not all of them) + 12 x layers x heads x head_dim x
-        ``seq_len`` for attention over the whole row, as the dense path computes it. A forward pass is a third."""
+        ``seq_len`` for attention over the whole row (causal masking not subtracted). A forward pass is a third."""
         d, ffn = self.hidden_size, self.moe_intermediate_size
         unused = sum(3 * d * ffn * (self.num_experts - self.num_experts_per_tok)
                      for i in range(self.num_layers) if self.is_moe(i))

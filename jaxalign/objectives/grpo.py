@@ -34,9 +34,10 @@ class GRPOParams(EngineParams):
     the sampling policy's log-probs are then always recomputed by the trainer), bounds ``sampling_clip_min``
     (0 = none) and ``sampling_clip_max`` (0 = none). ``shared_prefix``: the training forward passes take each
     group's prompt once (one row per group, ``data.batching.group_rows``); the same loss and gradients. "auto"
-    (default): per generation batch, when fewer model FLOPs (``data.batching.group_rows_cost``: long prompts and
-    short completions) and whole groups fit each micro-batch, shard and process; ``True``: always (a layout that
-    splits groups is an error); ``False``: never.
+    (default): decided when the run starts, on when whole groups fit each micro-batch, shard, step and process and
+    the grouped rows cost fewer model FLOPs (``data.batching.group_rows_cost``: always with the dense path's
+    per-block attention, only for completions short next to the prompt where attention spans the row); ``True``:
+    always (a layout that splits groups is an error); ``False``: never.
     ``rollout_weights``: the weights the rollouts decode with (``sampling.sample``'s ``weights``: "model",
     "bfloat16", "int8"); other than "model", the sampling policy's log-probs are recomputed by the trainer."""
 
