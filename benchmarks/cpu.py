@@ -71,7 +71,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from model_gpu import SHAPES as GPU_SHAPES
-from model_gpu import flops_per_token
 from train_step import SHAPES as STEP_SHAPES
 from train_step import matmul_peak, train_setup
 
@@ -168,7 +167,7 @@ def step_flops(name: str, config: LlamaConfig, batch: dict, length: int) -> tupl
     def tokens(prefix: str) -> int:
         return int(sum(batch[f"{prefix}{side}attention_mask"].sum() for side in ("chosen_", "rejected_")))
 
-    train = flops_per_token(config, length)  # 6N + 12·L·H·hd·T
+    train = config.flops_per_token(length)  # 6N + 12·L·H·hd·T
     forward = train / 3  # 2N + 4·L·H·hd·T
     if name in ("sft", "ift"):
         real = int(batch["attention_mask"].sum())

@@ -55,7 +55,6 @@ import jax.numpy as jnp
 import numpy as np
 from cpu import LLAMA_4X256, PEAK_SIZES, SMOKE_PEAK_SIZES, hf_config, jax_peak, machine, torch_python
 from flax import nnx
-from model_gpu import flops_per_token
 from train_step import OPTIM
 from train_step import SHAPES as STEP_SHAPES
 
@@ -176,8 +175,8 @@ def model_gflop(shape: str, run: dict) -> dict:
     config = LlamaConfig(**SHAPES[shape])
     length = run["prompt_length"] + run["completion_length"]
     rows = run["prompts"] * run["generations"]
-    train = flops_per_token(config, length) * rows * length
-    forward = flops_per_token(config, length) / 3
+    train = config.flops_per_token(length) * rows * length
+    forward = config.flops_per_token(length) / 3
     rollout = forward * (run["prompts"] * run["prompt_length"] + rows * run["completion_length"])
     return {"train": train / 1e9, "rollout": rollout / 1e9}
 

@@ -57,10 +57,6 @@ def timed(fn, reps: int) -> float:
     return float(np.median(times))
 
 
-def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
-    return cfg.flops_per_token(seq_len)  # 6N + 12·L·H·hd·T (PaLM), N without the embedding lookup
-
-
 def matmul_peak(size: int, reps: int) -> float:
     a = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (size, size), jnp.bfloat16)
@@ -227,7 +223,7 @@ def main() -> None:
                     record["impl"] = f"jaxalign/{impl}"
                 tokens_s = batch * seq / seconds
                 return {**record, "step_s": seconds, "tokens_s": tokens_s,
-                        "mfu": tokens_s * flops_per_token(cfg, seq) / peak_flops}
+                        "mfu": tokens_s * cfg.flops_per_token(seq) / peak_flops}
 
             section("train_step", run)
 
