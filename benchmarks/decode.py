@@ -24,6 +24,11 @@
    ``jax.profiler`` (a Perfetto trace); XLA:CPU's per-operation events on its threads, summed per operation
    kind (the HLO name without its number) and divided by the decode steps, and how many operations ran at once
    (the summed durations over the union of their intervals: 1.0 means one at a time).
+5. ``--long`` (this section alone): batched decoding of long prompts, as an evaluation or a rollout runs it: 48
+   chat prompts of about 300 tokens (the questions above strung together), 32 new tokens. The prefill's time
+   (``t(1 new)``) and the decode loop's time per step, best of 2. ``--against PATH`` runs the section in turn with
+   this checkout (2 rounds, each in its own process) and with the jaxalign of another checkout (``git worktree add
+   PATH REV``), and reports the ratios.
 """
 
 # ruff: noqa: E402  (the checkout's own jaxalign must come first on sys.path, before it is imported)
@@ -35,15 +40,18 @@ import collections
 import datetime
 import gzip
 import json
+import os
 import platform
 import re
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# section 5's --against runs this script in a child process that imports jaxalign from another checkout
+sys.path.insert(0, os.environ.get("JAXALIGN_DECODE_CHECKOUT") or str(ROOT))
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +118,59 @@ def chat_prompts(tokenizer, count: int) -> tuple[np.ndarray, np.ndarray]:
     for i, r in enumerate(rows):
         tokens[i, width - len(r):], mask[i, width - len(r):] = r, 1
     return tokens, mask
+
+
+def long_chat_prompts(tokenizer, count: int, questions: int = 24) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` chat prompts of ``questions`` questions each (a different rotation per row), left-padded."""
+    rows = []
+    for i in range(count):
+        text = " ".join(QUESTIONS[(i + j) % len(QUESTIONS)] for j in range(questions))
+        rows.append(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  return_dict=True)["input_ids"])
+    width = max(len(r) for r in rows)
+    tokens, mask = np.zeros((count, width), np.int32), np.zeros((count, width), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    return tokens, mask
+
+
+def long_row(model, tokens, mask, new: int = 32, reps: int = 2) -> dict:
+    """Section 5 in this process: prefill and per-step times of the default decode loop (no EOS: every row
+    decodes every step)."""
+    def run(n):
+        return sample(model, tokens, prompt_mask=mask, max_new_tokens=n, eos_id=-1).tokens
+
+    run(1), run(new + 1)  # compiled
+    prefill_s, full_s = best_of(lambda: run(1), reps), best_of(lambda: run(new + 1), reps)
+    per_step = (full_s - prefill_s) / new
+    import jaxalign
+
+    return {"checkout": str(Path(jaxalign.__file__).resolve().parents[1]), "rows": int(tokens.shape[0]),
+            "prompt_len": int(tokens.shape[1]), "new_tokens": new, "prefill_s": prefill_s,
+            "prefill_tokens_per_s": float(mask.sum()) / prefill_s, "seconds_per_step": per_step,
+            "tokens_per_s": tokens.shape[0] / per_step}
+
+
+def long_section(args, model, tokenizer) -> dict:
+    """Section 5; with ``--against``, this checkout and the other in turn, each round in fresh processes."""
+    if not args.against:
+        return {"rows": [long_row(model, *long_chat_prompts(tokenizer, 48))]}
+    rows = []
+    for _ in range(2):
+        for checkout in (str(ROOT), args.against):
+            child = subprocess.run([sys.executable, __file__, "--long-only"], capture_output=True, text=True,
+                                   env={**os.environ, "JAXALIGN_DECODE_CHECKOUT": checkout}, check=False)
+            if child.returncode:
+                raise SystemExit(f"section 5 in {checkout} failed:\n{child.stderr[-3000:]}")
+            rows.append(json.loads(child.stdout.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1]), flush=True)
+    best = {c: min((r for r in rows if r["checkout"] == str(Path(c).resolve())), key=lambda r: r["seconds_per_step"])
+            for c in (str(ROOT), args.against)}
+    this, other = best[str(ROOT)], best[args.against]
+    ratios = {"decode_speedup": other["seconds_per_step"] / this["seconds_per_step"],
+              "prefill_speedup": other["prefill_s"] / this["prefill_s"]}
+    print(json.dumps(ratios), flush=True)
+    return {"rows": rows, "against": args.against, **ratios}
 
 
 def decode_rows(model, tokens, mask, new: int, limit_gbs: float, batches, reps: int, arms=ARM_NAMES) -> list[dict]:
@@ -225,7 +286,13 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0, help="size of the bandwidth passes' array")
     parser.add_argument("--profile", action="store_true", help="section 4 (CPU): where a step's time goes")
     parser.add_argument("--arms", default=",".join(ARM_NAMES), help=f"section 2's arms, of {', '.join(ARM_NAMES)}")
+    parser.add_argument("--long", action="store_true", help="only section 5: batched decoding of long prompts")
+    parser.add_argument("--against", default="", help="section 5 also with the jaxalign of this other checkout")
+    parser.add_argument("--long-only", action="store_true", help="only section 5, one JSON line (for --against)")
     args = parser.parse_args()
+    if args.long_only:
+        model, tokenizer = load_pretrained(bundled_smollm2())
+        return print(json.dumps(long_row(model, *long_chat_prompts(tokenizer, 48))))
     if args.random:
         return random_shapes(args)
     started = datetime.datetime.now(datetime.UTC)
@@ -243,6 +310,9 @@ def main() -> None:
         tokens, mask = chat_prompts(tokenizer, 16)
         source, new, batches, reps, gib = f"SmolLM2-135M-Instruct ({path.name}), float32", 64, (1, 8), 3, args.gib
     result = header(started, source, model)
+    if args.long and not args.smoke:  # section 5 alone
+        result["long_prompts"] = long_section(args, model, tokenizer)
+        return write(result, started, Path(args.out), "-long")
     result["bandwidth"] = bandwidth(gib)
     print(json.dumps(result["bandwidth"]), flush=True)
     result["decode"] = decode_rows(model, tokens, mask, new, result["bandwidth"]["limit_gbs"], batches, reps,

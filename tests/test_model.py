@@ -116,9 +116,10 @@ def test_packed_forward_equals_separate(tiny_model, forward):
     np.testing.assert_allclose(logits[0, 7:11], alone_second[0], atol=1e-5)
 
 
-@pytest.mark.parametrize("window", [0, 4])
-def test_kv_cache_decoding_matches_full_forward(tiny_config, window):
-    config = tiny_config.replace(sliding_window=window, sliding_window_layers=(True, False) if window else ())
+@pytest.mark.parametrize("window,impl", [(0, "xla"), (4, "xla"), (4, "dot_product")])
+def test_kv_cache_decoding_matches_full_forward(tiny_config, window, impl):
+    config = tiny_config.replace(sliding_window=window, sliding_window_layers=(True, False) if window else (),
+                                 attention_impl=impl)
     model = create_model(config, seed=2)
     tokens, mask = padded_batch("left")
     full = model(jnp.asarray(tokens), jnp.asarray(mask))
@@ -140,6 +141,19 @@ def test_kv_cache_decoding_matches_full_forward(tiny_config, window):
     assert np.abs(decoded - np.asarray(full))[real].max() <= 1e-5
     assert int(cache.index) == T
     np.testing.assert_array_equal(cache.lengths, mask.sum(1))
+
+
+def test_kv_cache_layout(tiny_config):
+    """Per-layer arrays for a model run layer by layer, one stack for a scanned one; keys transposed
+    (``[B, kv, head_dim, S]``) for the XLA attention, as ``[B, kv, S, head_dim]`` for dot_product_attention."""
+    kv, hd = tiny_config.num_kv_heads, tiny_config.head_dim
+    cache = KVCache.init(tiny_config, 3, 8)
+    assert isinstance(cache.keys, tuple) and len(cache.keys) == tiny_config.num_layers
+    assert cache.keys[0].shape == (3, kv, hd, 8) and cache.values[0].shape == (3, kv, 8, hd)
+    stacked = KVCache.init(tiny_config.replace(scan_layers=True), 3, 8)
+    assert stacked.keys.shape == (tiny_config.num_layers, 3, kv, hd, 8)
+    plain = KVCache.init(tiny_config.replace(attention_impl="dot_product"), 3, 8)
+    assert plain.keys[0].shape == plain.values[0].shape == (3, kv, 8, hd)
 
 
 def test_cache_rejects_packing(tiny_model, tiny_config):

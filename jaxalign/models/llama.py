@@ -44,8 +44,12 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 class KVCache(NamedTuple):
-    """Decoding state: every layer's keys/values stacked, ``[layers, B, kv_heads, S, head_dim]`` (head-major) in
-    slot order; a decode step writes each layer's new slots in place, scanned or not.
+    """Decoding state: every layer's values ``[layers, B, kv_heads, S, head_dim]`` (head-major) and keys
+    ``[layers, B, kv_heads, head_dim, S]`` (transposed: XLA:CPU multiplies the queries by keys in that layout 2.5x
+    faster) over the S slots; a decode step writes each layer's new slots in place. A scanned model's cache is one
+    stacked array each (the scan carries it); a model run layer by layer holds tuples of per-layer arrays, so no
+    step copies a layer's cache out of a stack (on the CPU that copy cost 96 ms of a 246 ms decode step at batch
+    48 with 384 slots on SmolLM2-135M; docs/benchmarks.md, decoding).
 
     ``valid [B, S]`` marks slots holding real tokens, ``index`` is the number of slots written (the same
     for every row), ``lengths [B]`` the number of real tokens seen per row (the next position).
@@ -59,14 +63,33 @@ class KVCache(NamedTuple):
 
     @classmethod
     def init(cls, config: LlamaConfig, batch_size: int, max_length: int) -> KVCache:
-        shape = (config.num_layers, batch_size, config.num_kv_heads, max_length, config.head_dim)
-        return cls(keys=jnp.zeros(shape, config.dtype), values=jnp.zeros(shape, config.dtype),
+        """An empty cache laid out for a ``config`` model: stacked when it scans layers, per layer otherwise."""
+        values = (batch_size, config.num_kv_heads, max_length, config.head_dim)
+        keys = values[:2] + values[:1:-1] if keys_transposed(config) else values
+        if layer_plan(config)[2]:
+            keys, values = ((config.num_layers, *shape) for shape in (keys, values))
+            keys, values = jnp.zeros(keys, config.dtype), jnp.zeros(values, config.dtype)
+        else:
+            keys = tuple(jnp.zeros(keys, config.dtype) for _ in range(config.num_layers))
+            values = tuple(jnp.zeros(values, config.dtype) for _ in range(config.num_layers))
+        return cls(keys=keys, values=values,
                    valid=jnp.zeros((batch_size, max_length), bool), index=jnp.zeros((), jnp.int32),
                    lengths=jnp.zeros((batch_size,), jnp.int32))
 
     @property
     def max_length(self) -> int:
         return self.valid.shape[1]
+
+
+def keys_transposed(config: LlamaConfig) -> bool:
+    """Whether a ``config`` model's KV cache holds keys as ``[..., head_dim, S]``: for the XLA einsum attention
+    (``attention_impl`` "xla" or "pallas", which decodes with it), not for ``jax.nn.dot_product_attention``, which
+    takes ``[S, head_dim]`` keys."""
+    return config.attention_impl not in ("dot_product", "cudnn")
+
+
+def _replace_at(items: tuple, index: int, item) -> tuple:
+    return (*items[:index], item, *items[index + 1:])
 
 
 class ModelOutput(NamedTuple):
@@ -235,24 +258,34 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, mask, cache_kv=None, cache_index=None):
         """x ``[B,T,D]``; mask ``[B,T,S]`` bool over the S key slots; ``cache_kv``: None, or ``(keys, values,
-        layer)`` with every layer's stacked cache (``KVCache.keys``) and this layer's index in it (an int, or traced
-        under ``lax.scan``): the new keys and values are written at slot ``cache_index`` of that layer and the
-        updated stacks returned."""
+        layer)`` with every layer's cache (``KVCache.keys``: a stack, or a tuple of per-layer arrays) and this
+        layer's index in it (an int, or traced under ``lax.scan`` for a stack): the new keys and values are written
+        at slot ``cache_index`` of that layer and the updated caches returned."""
         cfg = self.config
         q = apply_rotary(self._project(x, "q"), cos, sin)
         k = apply_rotary(self._project(x, "k"), cos, sin)
         v = self._project(x, "v")
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, kv_heads, T, head_dim]
+        keys_t, new_kv = None, None  # keys_t: with a transposed cache, every slot's keys [B, kv_heads, hd, S]
         if cache_kv is not None:  # the cache is head-major too, so no decode step transposes all of it
             keys, values, layer = cache_kv
-            at = (layer, 0, 0, cache_index, 0)
-            keys = jax.lax.dynamic_update_slice(keys, k[None].astype(keys.dtype), at)
-            values = jax.lax.dynamic_update_slice(values, v[None].astype(values.dtype), at)
-            k = jax.lax.dynamic_index_in_dim(keys, layer, 0, keepdims=False).astype(x.dtype)
-            v = jax.lax.dynamic_index_in_dim(values, layer, 0, keepdims=False).astype(x.dtype)
-            new_kv = (keys, values)
-        else:
-            new_kv = None
+            transposed = keys_transposed(cfg)
+            if transposed:
+                k = k.transpose(0, 1, 3, 2)
+            k_at, v_at = (0, 0, 0, cache_index) if transposed else (0, 0, cache_index, 0), (0, 0, cache_index, 0)
+            if isinstance(keys, tuple):  # per-layer caches: this layer's arrays are updated and read as they are
+                k = jax.lax.dynamic_update_slice(keys[layer], k.astype(keys[layer].dtype), k_at)
+                v = jax.lax.dynamic_update_slice(values[layer], v.astype(values[layer].dtype), v_at)
+                new_kv = (_replace_at(keys, layer, k), _replace_at(values, layer, v))
+            else:
+                keys = jax.lax.dynamic_update_slice(keys, k[None].astype(keys.dtype), (layer, *k_at))
+                values = jax.lax.dynamic_update_slice(values, v[None].astype(values.dtype), (layer, *v_at))
+                k = jax.lax.dynamic_index_in_dim(keys, layer, 0, keepdims=False)
+                v = jax.lax.dynamic_index_in_dim(values, layer, 0, keepdims=False)
+                new_kv = (keys, values)
+            k, v = k.astype(x.dtype), v.astype(x.dtype)
+            if transposed:
+                keys_t, k = k, None
         batch, length = x.shape[:2]
         if isinstance(mask, SegmentMask):  # attention_impl="pallas" without a KV cache
             return self._output(flash_attention(q, k, v, mask, scale=self.scale, window=self.window)), new_kv
@@ -266,10 +299,13 @@ class Attention(nnx.Module):
         # grouped-query attention as batched 2-D products per (batch, kv head): the query heads of a group are
         # stacked along the query positions ([B, KV, G*T, hd]); on the CPU this runs 1.4x faster (forward +
         # backward) than a 5-D einsum, whose transposed operands XLA handles poorly there
-        groups, slots = cfg.num_heads // cfg.num_kv_heads, k.shape[2]
+        groups, slots = cfg.num_heads // cfg.num_kv_heads, v.shape[2]
         q = q.reshape(batch, length, cfg.num_kv_heads, groups, cfg.head_dim).transpose(0, 2, 3, 1, 4)
         q = q.reshape(batch, cfg.num_kv_heads, groups * length, cfg.head_dim)
-        scores = jnp.einsum("bkqd,bksd->bkqs", q, k, preferred_element_type=jnp.float32)
+        if keys_t is None:
+            scores = jnp.einsum("bkqd,bksd->bkqs", q, k, preferred_element_type=jnp.float32)
+        else:  # XLA:CPU runs this product 2.5x faster than against [S, head_dim] keys (docs/benchmarks.md)
+            scores = jnp.einsum("bkqd,bkds->bkqs", q, keys_t, preferred_element_type=jnp.float32)
         scores = softcap(scores.reshape(batch, cfg.num_kv_heads, groups, length, slots) * self.scale, cfg.attn_softcap)
         scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)

@@ -102,8 +102,19 @@ def repeat_rows(cache: KVCache, times: int) -> KVCache:
     def rep(x, axis=0):
         return jnp.repeat(x, times, axis=axis)
 
-    return KVCache(keys=rep(cache.keys, 1), values=rep(cache.values, 1), valid=rep(cache.valid),
+    def rep_kv(x):  # a stack [layers, B, ...] or a tuple of per-layer [B, ...] arrays
+        return tuple(map(rep, x)) if isinstance(x, tuple) else rep(x, 1)
+
+    return KVCache(keys=rep_kv(cache.keys), values=rep_kv(cache.values), valid=rep(cache.valid),
                    index=cache.index, lengths=rep(cache.lengths))
+
+
+def prefill(model: LlamaForCausalLM, prompt_tokens, prompt_mask, cache_length: int) -> tuple[jax.Array, KVCache]:
+    """Runs left-padded prompts ``[B, T]`` into a fresh KV cache of ``cache_length`` slots: the logits of each
+    prompt's last token ``[B, V]`` (only those go through the LM head, not ``[B, T, V]``) and the cache."""
+    hidden, cache = model.hidden_states(prompt_tokens, prompt_mask,
+                                        cache=KVCache.init(model.config, prompt_tokens.shape[0], cache_length))
+    return model.unembed(hidden[:, -1:])[:, 0], cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cache_length", "greedy", "top_k", "nucleus", "pad_id",
@@ -118,10 +129,10 @@ def _generate(graphdef, state, prompt_tokens, prompt_mask, key, max_new_tokens, 
     model = decoding_model(nnx.merge(graphdef, state), layers=layers, weights=weights)
     prompts, prompt_len = prompt_tokens.shape
     room = cache_length - prompt_len
-    out = model(prompt_tokens, prompt_mask, cache=KVCache.init(model.config, prompts, cache_length))
+    first_logits, cache = prefill(model, prompt_tokens, prompt_mask, cache_length)
     batch = prompts * num_samples  # each prompt's KV cache is computed once and shared by its samples
-    prefill_cache = out.cache if num_samples == 1 else repeat_rows(out.cache, num_samples)
-    first_logits = jnp.repeat(out.logits[:, -1], num_samples, axis=0)
+    prefill_cache = cache if num_samples == 1 else repeat_rows(cache, num_samples)
+    first_logits = jnp.repeat(first_logits, num_samples, axis=0)
 
     def cond(carry):
         step, done = carry[0], carry[4]

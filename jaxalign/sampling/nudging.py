@@ -41,8 +41,7 @@ import numpy as np
 from flax import nnx
 
 from jaxalign.data.tokenize import padding_id
-from jaxalign.models.llama import KVCache
-from jaxalign.sampling.generate import cache_bucket, left_pad, sample
+from jaxalign.sampling.generate import cache_bucket, left_pad, prefill, sample
 
 PROMPT_BUCKET = 64
 
@@ -285,8 +284,8 @@ def _nudge_loop(base_graph, base_state, nudger_graph, nudger_state, base_tokens,
     base, nudger = nnx.merge(base_graph, base_state), nnx.merge(nudger_graph, nudger_state)
     batch = base_tokens.shape[0]
     room = min(base_cache - base_tokens.shape[1], nudger_cache - nudger_tokens.shape[1])
-    base_out = base(base_tokens, base_mask, cache=KVCache.init(base.config, batch, base_cache))
-    nudger_out = nudger(nudger_tokens, nudger_mask, cache=KVCache.init(nudger.config, batch, nudger_cache))
+    base_first, base_prefill = prefill(base, base_tokens, base_mask, base_cache)
+    nudger_first, nudger_prefill = prefill(nudger, nudger_tokens, nudger_mask, nudger_cache)
 
     def cond(carry):
         return (carry[0] < max_new_tokens) & ~jnp.all(carry[7])
@@ -312,8 +311,8 @@ def _nudge_loop(base_graph, base_state, nudger_graph, nudger_state, base_tokens,
         return (step + 1, b_next.cache, n_next.cache, b_next.logits[:, -1], n_next.logits[:, -1], tokens, by_nudger,
                 done, nudge_now, rounds)
 
-    carry = (jnp.zeros((), jnp.int32), base_out.cache, nudger_out.cache, base_out.logits[:, -1],
-             nudger_out.logits[:, -1], jnp.full((batch, room), pad_id, jnp.int32), jnp.zeros((batch, room), bool),
+    carry = (jnp.zeros((), jnp.int32), base_prefill, nudger_prefill, base_first, nudger_first,
+             jnp.full((batch, room), pad_id, jnp.int32), jnp.zeros((batch, room), bool),
              jnp.zeros((batch,), bool), jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32))
     result = jax.lax.while_loop(cond, body, carry)
     return result[5], result[6], result[9]
