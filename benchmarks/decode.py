@@ -25,7 +25,7 @@
    kind (the HLO name without its number) and divided by the decode steps, and how many operations ran at once
    (the summed durations over the union of their intervals: 1.0 means one at a time).
 5. ``--long`` (this section alone): batched decoding of long prompts, as an evaluation or a rollout runs it: 48
-   chat prompts of about 300 tokens (the questions above strung together), 32 new tokens. The prefill's time
+   chat prompts of about 200 tokens (the questions above strung together), 32 new tokens. The prefill's time
    (``t(1 new)``) and the decode loop's time per step, best of 2. ``--against PATH`` runs the section in turn with
    this checkout (2 rounds, each in its own process) and with the jaxalign of another checkout (``git worktree add
    PATH REV``), and reports the ratios.
