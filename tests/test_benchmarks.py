@@ -111,3 +111,17 @@ def test_decode_benchmark_smoke_measures_every_arm(tmp_path):
     assert any(k["kind"].startswith("dot") for k in profile["kinds"])
     assert all(0 <= r["position"] < 8 and r["float32_top2_margin"] >= 0 for r in agreement["rows_parted_at"])
     assert len(agreement["rows_parted_at"]) == 4 - agreement["rows_identical"]
+
+
+@pytest.mark.slow
+def test_decode_benchmark_long_section_compares_two_checkouts(tmp_path):
+    """Section 5 with --against: both checkouts (here the same one twice) in turn, in child processes."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "benchmarks/decode.py", "--smoke", "--long", "--against", str(ROOT),
+                           "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [path] = tmp_path.glob("decode-*-long-smoke.json")
+    long = json.loads(path.read_text())["long_prompts"]
+    assert len(long["rows"]) == 4 and {r["checkout"] for r in long["rows"]} == {str(ROOT.resolve())}
+    assert all(math.isfinite(r["seconds_per_step"]) and r["prefill_s"] > 0 for r in long["rows"])
+    assert math.isfinite(long["decode_speedup"]) and long["prefill_speedup"] > 0
