@@ -45,11 +45,11 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 class KVCache(NamedTuple):
     """Decoding state: every layer's values ``[layers, B, kv_heads, S, head_dim]`` (head-major) and keys
-    ``[layers, B, kv_heads, head_dim, S]`` (transposed: XLA:CPU multiplies the queries by keys in that layout 2.5x
-    faster) over the S slots; a decode step writes each layer's new slots in place. A scanned model's cache is one
-    stacked array each (the scan carries it); a model run layer by layer holds tuples of per-layer arrays, so no
-    step copies a layer's cache out of a stack (on the CPU that copy cost 96 ms of a 246 ms decode step at batch
-    48 with 384 slots on SmolLM2-135M; docs/benchmarks.md, decoding).
+    ``[layers, B, kv_heads, head_dim, S]`` (transposed: XLA:CPU multiplies the queries by keys in that layout
+    2.2-2.5x faster) over the S slots; a decode step writes each layer's new slots in place. A scanned model's
+    cache is one stacked array each (the scan carries it); a model run layer by layer holds tuples of per-layer
+    arrays, so no step copies a layer's cache out of a stack (on the CPU that copy cost 96 ms of a 246 ms decode
+    step at batch 48 with 384 slots on SmolLM2-135M; docs/benchmarks.md, decoding).
 
     ``valid [B, S]`` marks slots holding real tokens, ``index`` is the number of slots written (the same
     for every row), ``lengths [B]`` the number of real tokens seen per row (the next position).
@@ -304,7 +304,7 @@ class Attention(nnx.Module):
         q = q.reshape(batch, cfg.num_kv_heads, groups * length, cfg.head_dim)
         if keys_t is None:
             scores = jnp.einsum("bkqd,bksd->bkqs", q, k, preferred_element_type=jnp.float32)
-        else:  # XLA:CPU runs this product 2.5x faster than against [S, head_dim] keys (docs/benchmarks.md)
+        else:  # XLA:CPU runs this product 2.2-2.5x faster than against [S, head_dim] keys (docs/benchmarks.md)
             scores = jnp.einsum("bkqd,bkds->bkqs", q, keys_t, preferred_element_type=jnp.float32)
         scores = softcap(scores.reshape(batch, cfg.num_kv_heads, groups, length, slots) * self.scale, cfg.attn_softcap)
         scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
