@@ -60,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import jaxalign
 from jaxalign.models import LlamaConfig, bundled_smollm2, create_model, load_pretrained
 from jaxalign.sampling import decoding_model, left_pad, sample
 from jaxalign.sampling.generate import cache_bucket
@@ -109,16 +110,8 @@ def step_bytes(model, batch: int, cache_length: int) -> int:
     return int(params + cache)
 
 
-def chat_prompts(tokenizer, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """``count`` chat prompts, left-padded."""
-    rows = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                          return_dict=True)["input_ids"]
-            for q in (QUESTIONS * (count // len(QUESTIONS) + 1))[:count]]
-    return left_pad(rows, 0)
-
-
-def long_chat_prompts(tokenizer, count: int, questions: int = 24) -> tuple[np.ndarray, np.ndarray]:
-    """``count`` chat prompts of ``questions`` questions each (a different rotation per row), left-padded."""
+def chat_prompts(tokenizer, count: int, questions: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` chat prompts of ``questions`` of the questions above each (row i starts at question i), left-padded."""
     rows = []
     for i in range(count):
         text = " ".join(QUESTIONS[(i + j) % len(QUESTIONS)] for j in range(questions))
@@ -136,15 +129,13 @@ def tiny_model():
 def long_row(smoke: bool, new: int = 32, reps: int = 2) -> dict:
     """Section 5 in this process: prefill and per-step times of the default decode loop (no EOS: every row
     decodes every step). ``smoke``: the tiny random model on 4 random 24-token prompts."""
-    import jaxalign
-
     if smoke:
         model, new, reps = tiny_model(), 16, 2
         tokens = np.random.default_rng(0).integers(3, 256, (4, 24)).astype(np.int32)
         mask = np.ones_like(tokens)
     else:
         model, tokenizer = load_pretrained(smollm2_path())
-        tokens, mask = long_chat_prompts(tokenizer, 48)
+        tokens, mask = chat_prompts(tokenizer, 48, questions=24)
 
     def run(n):
         return sample(model, tokens, prompt_mask=mask, max_new_tokens=n, eos_id=-1).tokens
