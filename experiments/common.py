@@ -163,17 +163,20 @@ def differences_table(comparisons: dict, *, scale: float = 100.0, digits: int = 
                  [row(name, d) for name, d in comparisons.items()])
 
 
-def tuned_arms(arms, lrs, seeds, sweep_seeds, run_one) -> dict:
+def tuned_arms(arms, lrs, seeds, sweep_seeds, run_one, rank=None) -> dict:
     """The studies' tuning protocol. For each arm, ``run_one(arm, lr, seed)`` (a dict with ``validation``) runs at
-    every learning rate of ``lrs`` on ``sweep_seeds``; the rate with the best mean validation score is the arm's
-    choice, and the arm then runs at it on the rest of ``seeds`` (the sweep's runs at that rate are reused).
-    Returns ``{"sweep": {arm: {lr: [run, ...]}}, "chosen": {arm: lr}, "runs": {arm: [run per seed of seeds]},
-    "every": [each run once]}``."""
+    every learning rate of ``lrs`` (one sequence for every arm, or ``{arm: rates}``) on ``sweep_seeds``; the rate
+    with the best mean validation score is the arm's choice (``rank(runs)``, a sortable value, replaces the mean
+    where ties need breaking), and the arm then runs at it on the rest of ``seeds`` (the sweep's runs at that rate
+    are reused). Returns ``{"sweep": {arm: {lr: [run, ...]}}, "chosen": {arm: lr}, "runs": {arm: [run per seed of
+    seeds]}, "every": [each run once]}``."""
     sweep, chosen, runs, every = {}, {}, {}, []
     run_one = _recording(run_one, every)
+    rank = rank or (lambda done: np.mean([r["validation"] for r in done]))
     for arm in arms:
-        sweep[arm] = {lr: [run_one(arm, lr, seed) for seed in sweep_seeds] for lr in lrs}
-        chosen[arm] = max(lrs, key=lambda lr, arm=arm: np.mean([r["validation"] for r in sweep[arm][lr]]))
+        rates = lrs[arm] if isinstance(lrs, dict) else lrs
+        sweep[arm] = {lr: [run_one(arm, lr, seed) for seed in sweep_seeds] for lr in rates}
+        chosen[arm] = max(rates, key=lambda lr, arm=arm: rank(sweep[arm][lr]))
         done = dict(zip(sweep_seeds, sweep[arm][chosen[arm]], strict=True))
         runs[arm] = [done[seed] if seed in done else run_one(arm, chosen[arm], seed) for seed in seeds]
     return {"sweep": sweep, "chosen": chosen, "runs": runs, "every": every}

