@@ -54,3 +54,24 @@ def test_equal_differences_on_every_seed(common):
     assert common.verdict(d) == "not reproduced"
     same = common.paired_difference([0.2, 0.3], [0.2, 0.3])
     assert same["p"] == 1.0 and common.verdict(same) == "inconclusive"
+
+
+def test_tuned_arms_sweeps_each_arms_own_rates_and_reuses_the_chosen_run(common):
+    calls = []
+    score = {("a", 1): 0.5, ("a", 2): 0.7, ("b", 10): 0.4, ("b", 20): 0.4}
+    nll = {("b", 10): 1.3, ("b", 20): 1.1}
+
+    def run_one(arm, lr, seed):
+        calls.append((arm, lr, seed))
+        return {"validation": score[arm, lr], "nll": nll.get((arm, lr), 0.0), "key": (arm, lr, seed)}
+
+    def rank(done):  # validation first, ties to the lower NLL
+        return np.mean([r["validation"] for r in done]), -np.mean([r["nll"] for r in done])
+
+    tuned = common.tuned_arms(["a", "b"], {"a": (1, 2), "b": (10, 20)}, [0, 1, 2], [0], run_one, rank=rank)
+    assert tuned["chosen"] == {"a": 2, "b": 20}  # b's tie goes to the lower NLL
+    assert [r["key"] for r in tuned["runs"]["b"]] == [("b", 20, 0), ("b", 20, 1), ("b", 20, 2)]
+    assert len(calls) == len(set(calls)) == 4 + 4  # the sweep's seed-0 run at the chosen rate is not run again
+    assert len(tuned["every"]) == 8
+    plain = common.tuned_arms(["b"], (10, 20), [0], [0], run_one)  # one list for every arm, mean validation
+    assert plain["chosen"] == {"b": 10}  # without a rank the first of equal rates stays
