@@ -18,6 +18,10 @@ problems (pass@1), 3 seeds, all on CPU.
   seed; the rate with the highest validation pass@1 is chosen (ties: the lower validation NLL per token of the
   canonical solutions); the other seeds train at it, and the first seed's run at it is reused. Checkpoints are
   restored to score the test problems and then deleted (1.6 GB each), except the first seed's DPO run (exported).
+  The arms go one after the other (sweep, then the chosen rate's seeds and their test scores), so an interrupted
+  study has whole arms finished. `--records DIR` keeps the per-run JSON records (start, validation and test
+  scores: small) apart from the run folders; a chosen run whose checkpoint is gone when it is needed is trained
+  again from its seed and must end at its recorded training loss (rel 1e-5), or the study stops.
 * Metric: pass@1 of the greedy completion (up to 256 new tokens) on the 82 test problems, run against each problem's
   tests in a subprocess with a 5 s timeout and a memory limit (`jaxalign.rl.rewards.code_tests`); also the mean NLL
   per token of the canonical test solutions. Seeds change the data order. Paired by seed: each arm − SFT and
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
 import math
 import shutil
 import sys
@@ -184,6 +189,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-length", type=int, default=384, help="training sequence length (longer problems skipped)")
     p.add_argument("--new-tokens", type=int, default=256, help="greedy tokens per test completion")
     p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--records", default="", help="folder of the per-run JSON records (start, validation, test) "
+                   "if not the workdir: they are small and outlive the run folders (checkpoints: 1.6 GB each); a "
+                   "chosen run whose checkpoint is gone is trained again and must end at its recorded loss")
     args = p.parse_args(argv)
     started = time.time()
     seeds = seeds_of(args, (0, 1, 2))
@@ -191,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     lrs = {arm: SMOKE_LRS for arm in arms} if args.smoke else {arm: LRS[arm] for arm in arms}
     root = workdir_of(args, STUDY)
     root.mkdir(parents=True, exist_ok=True)
+    records = Path(args.records) if args.records else root
     train_rows, validation_rows, test_rows = split(problems(args.smoke))
     if args.smoke:
         tiny = create_model(LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=1,
@@ -214,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "validation_nll": validation["nll_per_token"], "train_texts": train_texts,
                 "train_passed": passes(train_rows, train_texts), "seconds": time.time() - t0}
 
-    start = cached_run(root / "start.json", functools.partial(start_scores, start_model))
+    start = cached_run(records / "start.json", functools.partial(start_scores, start_model))
     sft_records = [{"prompt": prompt_of(r), "completion": [{"role": "assistant", "content": r["canonical_solution"]}]}
                    for r in train_rows]
     pairs = [{"prompt": prompt_of(r), "chosen": [{"role": "assistant", "content": r["canonical_solution"]}],
@@ -229,43 +238,71 @@ def main(argv: list[str] | None = None) -> dict:
     def folder_of(arm: str, lr: float, seed: int) -> Path:
         return root / f"{arm}_lr{lr:g}_s{seed}"
 
+    def record_of(arm: str, lr: float, seed: int, name: str) -> Path:
+        return records / f"{arm}_lr{lr:g}_s{seed}" / name
+
+    def trained(arm: str, lr: float, seed: int):
+        """Trains one arm at one rate and seed from the start; returns the model and its summary."""
+        config = arm_config(arm, folder_of(arm, lr, seed), model_path, paths["dpo" if arm == "dpo" else "sft"],
+                            steps, seed, args.max_length, args.smoke, lr, batch)
+        config.data.on_invalid = "skip"  # a DPO pair whose rejected text overflows is left out (counted)
+        model, _, summary = train_model(config)
+        return model, {**summary, "final_loss": last_loss(folder_of(arm, lr, seed))}
+
     def run_one(arm: str, lr: float, seed: int) -> dict:
         """Trains one arm at one rate and seed and scores the validation problems (the test ones come later)."""
         def fn():
-            config = arm_config(arm, folder_of(arm, lr, seed), model_path, paths["dpo" if arm == "dpo" else "sft"],
-                                steps, seed, args.max_length, args.smoke, lr, batch)
-            config.data.on_invalid = "skip"  # a DPO pair whose rejected text overflows is left out (counted)
-            model, _, summary = train_model(config)
+            model, summary = trained(arm, lr, seed)
             t0 = time.time()
             validation = score(model, tokenizer, validation_rows, new_tokens)
             return {"arm": arm, "lr": lr, "seed": seed, "validation": float(np.mean(validation["passed"])),
                     "validation_nll": validation["nll_per_token"], "validation_passed": validation["passed"],
-                    "train_seconds": summary["seconds"], "seconds": summary["seconds"] + time.time() - t0}
-        return cached_run(folder_of(arm, lr, seed) / "result.json", fn)
+                    "final_loss": summary["final_loss"], "train_seconds": summary["seconds"],
+                    "seconds": summary["seconds"] + time.time() - t0}
+        return cached_run(record_of(arm, lr, seed, "result.json"), fn)
+
+    def checkpointed(run: dict) -> dict:
+        """Makes sure a run's checkpoint is there: where it is gone (the records outlive the run folders) the run
+        is trained again from its seed and must end at its recorded loss. Returns what the record gains."""
+        arm, lr, seed = run["arm"], run["lr"], run["seed"]
+        if (folder_of(arm, lr, seed) / "checkpoints").is_dir():
+            return {}
+        _, summary = trained(arm, lr, seed)
+        if not math.isclose(summary["final_loss"], run["final_loss"], rel_tol=1e-5):
+            raise SystemExit(f"{folder_of(arm, lr, seed).name}: trained again, its final loss "
+                             f"{summary['final_loss']} is not the recorded {run['final_loss']}")
+        return {"retrained_loss": summary["final_loss"]}
 
     def tested(run: dict) -> dict:
         """The test problems' scores of a chosen run, its checkpoint restored (then deleted, but for the export)."""
-        folder = folder_of(run["arm"], run["lr"], run["seed"])
+        arm, lr, seed = run["arm"], run["lr"], run["seed"]
+        folder = folder_of(arm, lr, seed)
 
         def fn():
             t0 = time.time()
+            extra = checkpointed(run)
             model, _, _ = restore_model(folder)
-            result = score(model, tokenizer, test_rows, new_tokens)
-            return {**run, **result, "seconds": run["seconds"] + time.time() - t0}
-        result = cached_run(folder / "test.json", fn)
-        if (run["arm"], run["seed"]) != ("dpo", seeds[0]):
+            return {**run, **score(model, tokenizer, test_rows, new_tokens), **extra,
+                    "seconds": run["seconds"] + time.time() - t0}
+        result = cached_run(record_of(arm, lr, seed, "test.json"), fn)
+        if (arm, seed) != ("dpo", seeds[0]):
             shutil.rmtree(folder / "checkpoints", ignore_errors=True)
         return result
 
     def rank(done: list[dict]) -> tuple[float, float]:  # validation pass@1, then the lower validation NLL
         return float(np.mean([r["validation"] for r in done])), -float(np.mean([r["validation_nll"] for r in done]))
 
-    tuned = tuned_arms(arms, lrs, seeds, seeds[:1], run_one, rank=rank)
-    for arm in arms:  # the rates not chosen: their checkpoints are never read again
-        for lr in lrs[arm]:
-            if lr != tuned["chosen"][arm]:
+    tuned = {"sweep": {}, "chosen": {}, "runs": {}, "every": []}
+    runs = {}
+    for arm in arms:  # arm by arm, so that an interrupted study has whole arms scored
+        one = tuned_arms([arm], lrs, seeds, seeds[:1], run_one, rank=rank)
+        for lr in lrs[arm]:  # the rates not chosen: their checkpoints are never read again
+            if lr != one["chosen"][arm]:
                 shutil.rmtree(folder_of(arm, lr, seeds[0]) / "checkpoints", ignore_errors=True)
-    runs = {arm: [tested(r) for r in tuned["runs"][arm]] for arm in arms}
+        runs[arm] = [tested(r) for r in one["runs"][arm]]
+        for key in ("sweep", "chosen", "runs"):
+            tuned[key].update(one[key])
+        tuned["every"] += one["every"]
     scored = {(r["arm"], r["lr"], r["seed"]): r for rs in runs.values() for r in rs}  # their time includes the test
     rate = {arm: [float(np.mean(r["passed"])) for r in rs] for arm, rs in runs.items()}
     start_rate = float(np.mean(start["passed"]))
@@ -298,12 +335,20 @@ def main(argv: list[str] | None = None) -> dict:
         "runs_note": runs_note([scored.get((r["arm"], r["lr"], r["seed"]), r) for r in tuned["every"]]),
     }
     if "dpo" in arms:
+        checkpointed(runs["dpo"][0])
         results["export"] = export_parity(folder_of("dpo", tuned["chosen"]["dpo"], seeds[0]), root / "dpo_hf",
                                           tokenizer)
     markdown = _markdown(results)
     write(args.out, STUDY, command=command_line(STUDY, argv), results=results, markdown=markdown, started=started)
     _plot(results, f"{args.out}/{STUDY}.png")
     return results
+
+
+def last_loss(run_dir: Path) -> float:
+    """The last logged training loss of a run (``metrics.jsonl``)."""
+    losses = [row["loss"] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+              if "loss" in row]
+    return float(losses[-1])
 
 
 def export_parity(run_dir: Path, out: Path, tokenizer) -> dict:

@@ -3,6 +3,7 @@
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -74,3 +75,23 @@ def _without_timings(value):
     if isinstance(value, list):
         return [_without_timings(v) for v in value]
     return value
+
+
+@pytest.mark.slow
+def test_smollm2_study_resumes_from_its_records_after_the_run_folders_are_gone(tmp_path):
+    # the records (start, validation and test scores) are kept apart from the checkpoints; a second invocation with
+    # the run folders deleted reuses every record and trains the exported DPO run again, which must end at the
+    # recorded loss (else it stops), and writes the same results
+    pytest.importorskip("torch")
+    module = importlib.import_module("smollm2_real")
+    outputs = []
+    for attempt in range(2):
+        runs_dir = tmp_path / "runs"
+        shutil.rmtree(runs_dir, ignore_errors=True)
+        module.main(["--smoke", "--out", str(tmp_path / f"out{attempt}"), "--workdir", str(runs_dir),
+                     "--records", str(tmp_path / "records")])
+        results = json.loads((tmp_path / f"out{attempt}" / "smollm2_real.json").read_text())["results"]
+        outputs.append(json.dumps(_without_timings(results), sort_keys=True))
+    assert outputs[0] == outputs[1]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name.startswith("dpo_lr")) == \
+        [f"dpo_lr{json.loads(outputs[0])['chosen']['dpo']}_s0"]  # only the exported run was trained again
