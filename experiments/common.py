@@ -39,6 +39,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--out", default=str(REPO / "docs" / "results"), help="where the JSON, table and plots go")
     p.add_argument("--workdir", default="", help="training runs (default: runs/experiments/<study>)")
     p.add_argument("--seeds", default="", help="comma-separated seeds (default: the study's own)")
+    p.add_argument("--sweep-seeds", default="", help="comma-separated seeds that choose each arm's learning rate "
+                   "(default: the first seeds of --seeds); seeds outside --seeds tune without being evaluated, so "
+                   "two evaluation seed sets can share one choice")
     return p
 
 
@@ -46,6 +49,13 @@ def seeds_of(args, default: tuple[int, ...], smoke: tuple[int, ...] = (0,)) -> l
     if args.seeds:
         return [int(s) for s in args.seeds.split(",")]
     return list(smoke if args.smoke else default)
+
+
+def sweep_seeds_of(args, seeds: list[int], count: int = 2) -> list[int]:
+    """The seeds of a study's learning-rate sweep: ``--sweep-seeds``, or the first ``count`` of ``seeds``."""
+    if getattr(args, "sweep_seeds", ""):
+        return [int(s) for s in args.sweep_seeds.split(",")]
+    return list(seeds[:count])
 
 
 def workdir_of(args, study: str) -> Path:

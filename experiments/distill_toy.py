@@ -30,6 +30,7 @@ from common import (
     parser,
     runs_note,
     seeds_of,
+    sweep_seeds_of,
     sweep_summary,
     sweep_table,
     table,
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
     if not 1 <= args.tune_seeds <= len(seeds):
         options.error(f"--tune-seeds {args.tune_seeds}: need 1 to {len(seeds)} (the number of seeds)")
+    sweep_seeds = sweep_seeds_of(args, seeds, args.tune_seeds)  # --sweep-seeds, where given, replaces the count
     root = workdir_of(args, STUDY)
     validation = arithmetic_pool("validation")[: sizes["validation"] or None]
     test = arithmetic_pool("test")[: sizes["test"] or None]
@@ -120,12 +122,12 @@ def main(argv: list[str] | None = None) -> dict:
 
         return cached_run(workdir / "result.json", fit)
 
-    tuned = tuned_arms(arms, sizes["lrs"], seeds, seeds[:args.tune_seeds], run_one)
+    tuned = tuned_arms(arms, sizes["lrs"], seeds, sweep_seeds, run_one)
     tests = {arm: [r["test"] for r in tuned["runs"][arm]] for arm in arms}
     comparisons = {f"{LABELS[arm]} − SFT": paired_difference(tests[arm], tests["sft"]) for arm in arms
                    if arm != "sft"}
     results = {"sizes": {**sizes, "lrs": list(sizes["lrs"]), "validation": len(validation), "test": len(test)},
-               "seeds": seeds, "tune_seeds": seeds[:args.tune_seeds],
+               "seeds": seeds, "tune_seeds": sweep_seeds,
                "starts": [teacher_start.name, student_start.name], "teacher": teacher,
                "student_start": warm,
                "chosen": tuned["chosen"], "sweep": sweep_summary(tuned), "runs": tuned["runs"],

@@ -41,6 +41,7 @@ from common import (
     parser,
     runs_note,
     seeds_of,
+    sweep_seeds_of,
     sweep_summary,
     sweep_table,
     table,
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
         sizes = dict(shape="tiny", dominant=4000, target=400, pairs=2000, sft_steps=200 * scale, steps=100 * scale,
                      lrs=LRS, validation=0, test=0)
     seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
+    sweep_seeds = sweep_seeds_of(args, seeds)
     start = pretrained_start(sizes["shape"])
     root = workdir_of(args, STUDY)
     validation = pool_records("validation")[: sizes["validation"] or None]
@@ -180,13 +182,13 @@ def main(argv: list[str] | None = None) -> dict:
 
         return cached_run(workdir / "result.json", fit)
 
-    tuned = tuned_arms(ARMS, sizes["lrs"], seeds, seeds[:2], run_one)
+    tuned = tuned_arms(ARMS, sizes["lrs"], seeds, sweep_seeds, run_one)
     runs = {"start": [sft_model(seed)[1] for seed in seeds], **tuned["runs"]}
     comparisons = {name: paired_difference([r[metric] for r in runs[a]], [r[metric] for r in runs[b]])
                    for name, (metric, a, b) in COMPARISONS.items()}
     slim = {arm: [{k: v for k, v in r.items() if k != "logps"} for r in rs] for arm, rs in runs.items()}
     results = {"sizes": {**sizes, "lrs": list(sizes["lrs"]), "validation": len(validation), "test": len(test)},
-               "seeds": seeds, "start": start.name, "chosen": tuned["chosen"],
+               "seeds": seeds, "sweep_seeds": sweep_seeds, "start": start.name, "chosen": tuned["chosen"],
                "sweep": sweep_summary(tuned),
                "runs": slim, "comparisons": comparisons,
                "verdicts": {name: verdict(d) for name, d in comparisons.items()},
@@ -205,7 +207,7 @@ def _markdown(results: dict) -> str:
              ci_text([r["dominant_drift"] for r in rs], 1, 3)] for arm, rs in results["runs"].items()]
     main = table(["model", "learning rate", "target exact match, %", "dominant exact match, %",
                   "target pairs ranked right, %", "dominant drift (nats/token)"], rows)
-    return (f"Learning-rate sweep (validation target-language exact match %, mean of seeds {results['seeds'][:2]}, "
+    return (f"Learning-rate sweep (validation target-language exact match %, mean of seeds {results['sweep_seeds']}, "
             f"{sizes['validation']} questions):\n\n{sweep}\n\nTest pool ({sizes['test']} addition questions), seeds "
             f"{', '.join(map(str, results['seeds']))}; SFT model: {sizes['sft_steps']} SFT steps from the pretrained "
             f"start `{results['start']}` on {sizes['dominant']} dominant and {sizes['target']} target answers; then "

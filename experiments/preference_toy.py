@@ -39,6 +39,7 @@ from common import (
     parser,
     runs_note,
     seeds_of,
+    sweep_seeds_of,
     sweep_summary,
     sweep_table,
     table,
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
         sizes = dict(shape="tiny", sft=4000, pairs=3000, sft_steps=100 * scale, steps=100 * scale, lrs=LRS,
                      validation=0, test=0)
     seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
+    sweep_seeds = sweep_seeds_of(args, seeds)
     start = pretrained_start(sizes["shape"])
     root = workdir_of(args, STUDY)
     validation = pool_pairs("validation")[: sizes["validation"] or None]
@@ -155,12 +157,12 @@ def main(argv: list[str] | None = None) -> dict:
         sft_model(seed)
         return cached_run(root / f"seed{seed}" / "sft_model" / "result.json", fit)
 
-    tuned = tuned_arms(ARMS, sizes["lrs"], seeds, seeds[:2], run_one)
+    tuned = tuned_arms(ARMS, sizes["lrs"], seeds, sweep_seeds, run_one)
     tuned["runs"] = {"start": [start_scores(seed) for seed in seeds], **tuned["runs"]}
     tests = {arm: [r["test"] for r in tuned["runs"][arm]] for arm in ARMS}
     comparisons = {name: paired_difference(tests[a], tests[b]) for name, (a, b) in CLAIMS.items()}
     results = {"sizes": {**sizes, "lrs": list(sizes["lrs"]), "validation": len(validation), "test": len(test)},
-               "seeds": seeds, "start": start.name, "chosen": tuned["chosen"],
+               "seeds": seeds, "sweep_seeds": sweep_seeds, "start": start.name, "chosen": tuned["chosen"],
                "sweep": sweep_summary(tuned),
                "runs": tuned["runs"], "comparisons": comparisons,
                "verdicts": {name: verdict(d) for name, d in comparisons.items()}, "all_runs": tuned["every"]}
@@ -182,7 +184,7 @@ def _markdown(results: dict) -> str:
                  [[LABELS[arm], f"{results['chosen'].get(arm, SFT_LR):g}", ci_text([r["test"] for r in runs], 100),
                    ci_text([r["test_pairs"] for r in runs], 100), ", ".join(f"{100 * r['test']:.1f}" for r in runs)]
                   for arm, runs in results["runs"].items()])
-    return (f"Learning-rate sweep (validation exact match %, mean of seeds {results['seeds'][:2]}, "
+    return (f"Learning-rate sweep (validation exact match %, mean of seeds {results['sweep_seeds']}, "
             f"{sizes['validation']} questions):\n\n{sweep}\n\nTest pool ({sizes['test']} questions, one pair each), "
             f"seeds {', '.join(map(str, results['seeds']))}; SFT model: {sizes['sft_steps']} SFT steps from the "
             f"pretrained start `{results['start']}`, then {sizes['steps']} steps per arm (ORPO: "

@@ -35,6 +35,7 @@ from common import (
     parser,
     runs_note,
     seeds_of,
+    sweep_seeds_of,
     table,
     toy_config,
     verdict,
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
                   sft_steps=300 if args.full else 200, dpo_steps=100, dpo_lrs=DPO_LRS,
                   stage2_steps=300 if args.full else 150, stage2_lr=5e-4, cascade=8))
     seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
+    sweep_seeds = sweep_seeds_of(args, seeds)
     start = pretrained_start(sizes["shape"])
     root = workdir_of(args, STUDY)
     out = Path(args.out)
@@ -174,7 +176,6 @@ def main(argv: list[str] | None = None) -> dict:
         return cached_run(folder / "result.json", fit)
 
     # stage I's rate: over the sweep seeds, the shortest validation answers among rates that keep accuracy
-    sweep_seeds = seeds[:2]
     sweep = {lr: [stage1(seed, lr) for seed in sweep_seeds] for lr in sizes["dpo_lrs"]}
     sft_val = np.mean([sft_model(seed)["validation"]["accuracy"] for seed in sweep_seeds])
     keeps = [lr for lr in sizes["dpo_lrs"]
@@ -187,7 +188,9 @@ def main(argv: list[str] | None = None) -> dict:
     if runs[0]["stage2"]["routing"]:
         plot_routes(runs[0]["stage2"]["routing"], out / f"{STUDY}_routing.png",
                     title=f"SATER routing on toy arithmetic (seed {seeds[0]})")
-    results = _results(runs, sweep, chosen, sft_val, sizes, seeds, start)
+    tuning_only = [r for lr, rs in sweep.items() for seed, r in zip(sweep_seeds, rs, strict=True)
+                   if lr != chosen or seed not in seeds] + [sft_model(s) for s in sweep_seeds if s not in seeds]
+    results = _results(runs, sweep, chosen, sft_val, sizes, seeds, sweep_seeds, start, tuning_only)
     write(args.out, STUDY, command=command_line(STUDY, argv), results=results, markdown=_markdown(results),
           started=started)
     return results
@@ -200,7 +203,7 @@ def answered_accuracy(point: dict) -> float:
     return (point["accuracy"] - routed) / (1 - routed) if routed < 1 else float("nan")
 
 
-def _results(runs, sweep, chosen, sft_val, sizes, seeds, start) -> dict:
+def _results(runs, sweep, chosen, sft_val, sizes, seeds, sweep_seeds, start, tuning_only) -> dict:
     def stat(run, stage, key):
         return run[stage]["test"][key]
 
@@ -225,14 +228,15 @@ def _results(runs, sweep, chosen, sft_val, sizes, seeds, start) -> dict:
     shifted = {**accuracy, "low": accuracy["low"] + MARGIN, "high": accuracy["high"] + MARGIN}
     verdicts = {name: verdict(d) for name, d in comparisons.items()}
     verdicts["stage I: accuracy, stage I − SFT"] = verdict(shifted)  # non-inferiority: above −2 points
-    return {"sizes": {**sizes, "dpo_lrs": list(sizes["dpo_lrs"])}, "seeds": seeds, "start": start.name,
+    return {"sizes": {**sizes, "dpo_lrs": list(sizes["dpo_lrs"])}, "seeds": seeds, "sweep_seeds": sweep_seeds,
+            "start": start.name,
             "stage1_lr": chosen, "sft_validation_accuracy": float(sft_val),
             "sweep": {f"{lr:g}": {"validation_accuracy": [r["validation"]["accuracy"] for r in rs],
                                   "validation_correct_length": [r["validation"]["correct_length"] for r in rs]}
                       for lr, rs in sweep.items()},
             "per_seed": [_clean(r) for r in runs], "routing_summary": summary, "comparisons": comparisons,
-            "verdicts": verdicts, "runs_note": runs_note([x for r in runs for x in (r["sft"], r["stage1"],
-                                                                                     r["stage2"])]),
+            "verdicts": verdicts,
+            "runs_note": runs_note([x for r in runs for x in (r["sft"], r["stage1"], r["stage2"])] + tuning_only),
             "routing_table_first_seed": routing_table(runs[0]["stage2"]["routing"])}
 
 
@@ -254,7 +258,7 @@ def _markdown(results: dict) -> str:
                   [[lr, f"{100 * np.mean(v['validation_accuracy']):.1f}",
                     f"{np.nanmean(v['validation_correct_length']):.2f}",
                     "yes" if float(lr) == results["stage1_lr"] else ""] for lr, v in results["sweep"].items()])
-    text = (f"Stage-I learning-rate sweep (seeds {results['seeds'][:2]}; the SFT model's validation accuracy "
+    text = (f"Stage-I learning-rate sweep (seeds {results['sweep_seeds']}; the SFT model's validation accuracy "
             f"{100 * results['sft_validation_accuracy']:.1f} %; rule: shortest answers among rates within "
             f"{100 * MARGIN:.0f} points of it):\n\n{sweep}\n\n")
     text += "Test pool, mean [95 % CI] over seeds:\n\n" + table(

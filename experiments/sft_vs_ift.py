@@ -38,6 +38,7 @@ from common import (
     parser,
     runs_note,
     seeds_of,
+    sweep_seeds_of,
     sweep_summary,
     sweep_table,
     table,
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         sizes = dict(shape="tiny", train=4000, steps=600 if args.full else 200, lrs=LRS, validation=0, test=0)
     seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
+    sweep_seeds = sweep_seeds_of(args, seeds)
     start = pretrained_start(sizes["shape"])
     root = workdir_of(args, STUDY)
     validation = arithmetic_pool("validation")[: sizes["validation"] or None]
@@ -110,12 +112,12 @@ def main(argv: list[str] | None = None) -> dict:
 
         return cached_run(workdir / "result.json", fit)
 
-    tuned = tuned_arms(arms, sizes["lrs"], seeds, seeds[:2], run_one)
+    tuned = tuned_arms(arms, sizes["lrs"], seeds, sweep_seeds, run_one)
     tests = {arm: [r["test"] for r in tuned["runs"][arm]] for arm in arms}
     comparisons = {name: paired_difference(tests[a], tests[b]) for name, (a, b) in COMPARISONS.items()
                    if a in arms and b in arms}
     results = {"sizes": {**sizes, "lrs": list(sizes["lrs"]), "validation": len(validation), "test": len(test)},
-               "seeds": seeds, "start": start.name, "chosen": tuned["chosen"],
+               "seeds": seeds, "sweep_seeds": sweep_seeds, "start": start.name, "chosen": tuned["chosen"],
                "sweep": sweep_summary(tuned),
                "runs": tuned["runs"], "comparisons": comparisons,
                "all_runs": tuned["every"],
@@ -133,7 +135,7 @@ def _markdown(results: dict) -> str:
                  [[LABELS[arm], f"{results['chosen'][arm]:g}", ci_text([r["test"] for r in results["runs"][arm]], 100),
                    ", ".join(f"{100 * r['test']:.1f}" for r in results["runs"][arm])] for arm in results["runs"]])
     diffs = differences_table(results["comparisons"])
-    return (f"Learning-rate sweep (validation exact match %, mean of seeds {results['seeds'][:2]}, "
+    return (f"Learning-rate sweep (validation exact match %, mean of seeds {results['sweep_seeds']}, "
             f"{sizes['validation']} questions):\n\n{sweep}\n\nTest pool ({sizes['test']} questions), seeds "
             f"{', '.join(map(str, results['seeds']))}, {sizes['steps']} steps of batch 32 from the pretrained start "
             f"`{results['start']}`:\n\n{main}\n\n{diffs}\n\n"

@@ -75,3 +75,21 @@ def test_tuned_arms_sweeps_each_arms_own_rates_and_reuses_the_chosen_run(common)
     assert len(tuned["every"]) == 8
     plain = common.tuned_arms(["b"], (10, 20), [0], [0], run_one)  # one list for every arm, mean validation
     assert plain["chosen"] == {"b": 10}  # without a rank the first of equal rates stays
+
+
+def test_sweep_seeds_outside_the_evaluated_seeds_tune_without_being_evaluated(common):
+    p = common.parser('"""A study."""')
+    args = p.parse_args(["--seeds", "21,22,23", "--sweep-seeds", "100,101"])
+    seeds = common.seeds_of(args, (0, 1, 2))
+    sweep_seeds = common.sweep_seeds_of(args, seeds)
+    assert (seeds, sweep_seeds) == ([21, 22, 23], [100, 101])
+    assert common.sweep_seeds_of(p.parse_args([]), [0, 1, 2]) == [0, 1]  # default: the first two seeds
+    assert common.sweep_seeds_of(p.parse_args([]), [0, 1, 2], 1) == [0]
+
+    def run_one(arm, lr, seed):
+        return {"validation": {1: 0.2, 2: 0.6}[lr] + 0.01 * seed, "key": (arm, lr, seed)}
+
+    tuned = common.tuned_arms(["a"], (1, 2), seeds, sweep_seeds, run_one)
+    assert tuned["chosen"] == {"a": 2}
+    assert [r["key"] for r in tuned["runs"]["a"]] == [("a", 2, 21), ("a", 2, 22), ("a", 2, 23)]
+    assert len(tuned["every"]) == 4 + 3  # the sweep's runs are counted, none of them is an evaluated run
