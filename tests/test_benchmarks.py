@@ -125,3 +125,19 @@ def test_decode_benchmark_long_section_compares_two_checkouts(tmp_path):
     assert len(long["rows"]) == 4 and {r["checkout"] for r in long["rows"]} == {str(ROOT.resolve())}
     assert all(math.isfinite(r["seconds_per_step"]) and r["prefill_s"] > 0 for r in long["rows"])
     assert math.isfinite(long["decode_speedup"]) and long["prefill_speedup"] > 0
+
+
+def test_distill_logits_benchmark_smoke_compares_every_setting():
+    """Whole against blocked logits for the distillation loss: every setting compiled and timed, the blocked
+    ones with less temporary memory than whole logits (in-process: a small, quick shape)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from distill_logits import measure
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    result = measure("smoke", [0, 16], repeats=2)
+    rows = result["settings"]
+    assert set(rows) == {"decoders only", "logits_block=0", "logits_block=16"}
+    assert rows["logits_block=16"]["block"] == 16 and rows["logits_block=0"]["block"] == 0
+    assert all(row["step_s"] > 0 and row["temp_bytes"] > 0 for row in rows.values())
+    assert rows["logits_block=16"]["temp_bytes"] < rows["logits_block=0"]["temp_bytes"]

@@ -61,6 +61,87 @@ def test_generalized_jsd_equals_trl(beta, temperature):
     assert float(losses.generalized_jsd(jnp.asarray(student), jnp.asarray(student), beta=beta).max()) < 1e-5
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize(("temperature", "softcap"), [(1.0, 0.0), (2.0, 0.0), (0.9, 3.0)])
+def test_blocked_generalized_jsd_equals_trl_through_the_heads(beta, temperature, softcap):
+    """The memory-light loss (blocks of 4 positions over 11, a closed-form gradient) against TRL's
+    ``generalized_jsd_loss`` on logits ``softcap(hidden @ kernel)`` of a student and a wider teacher: the loss, the
+    gradients of the student's hidden states and head, and the NLL sums."""
+    rng = np.random.RandomState(int(beta * 10 + temperature * 3 + softcap))
+    batch, length, vocab = 3, 11, 37
+    hs, ks = rng.randn(batch, length, 8), rng.randn(8, vocab) * 0.7
+    ht, kt = rng.randn(batch, length, 12), rng.randn(12, vocab) * 0.7
+    targets = rng.randint(0, vocab, (batch, length))
+    labels = np.where(rng.rand(batch, length) > 0.3, targets, -100)
+    labels[:, :5] = -100  # a block with nothing trained in any row is skipped
+
+    def capped(x):
+        return softcap * torch.tanh(x / softcap) if softcap else x
+
+    h, k = torch.tensor(hs, requires_grad=True), torch.tensor(ks, requires_grad=True)
+    expected = trl_generalized_jsd_loss(capped(h @ k), capped(torch.tensor(ht) @ torch.tensor(kt)),
+                                        torch.tensor(labels), beta=beta, temperature=temperature)
+    expected.backward()
+    weights = jnp.asarray(labels != -100, jnp.float32)
+
+    def ours(h, k):
+        sums = losses.blocked_generalized_jsd(h, k, jnp.asarray(ht, jnp.float32), jnp.asarray(kt, jnp.float32),
+                                              jnp.asarray(targets), weights, beta, temperature, 4, softcap, softcap)
+        return sums[0] / weights.sum(), sums
+
+    (loss, sums), grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1), has_aux=True))(
+        jnp.asarray(hs, jnp.float32), jnp.asarray(ks, jnp.float32))
+    assert float(loss) == pytest.approx(expected.item(), rel=1e-5)
+    for ours_grad, torch_grad in zip(grads, (h.grad.numpy(), k.grad.numpy()), strict=True):
+        assert np.linalg.norm(np.asarray(ours_grad) - torch_grad) / np.linalg.norm(torch_grad) <= 1e-5
+    for total, (hidden, kernel) in zip(sums[1:], ((hs, ks), (ht, kt)), strict=True):
+        logits = capped(torch.tensor(hidden) @ torch.tensor(kernel))
+        nll = F.cross_entropy(logits.reshape(-1, vocab), torch.tensor(labels).reshape(-1), reduction="sum")
+        assert float(total) == pytest.approx(nll.item(), rel=1e-5)
+    assert losses.blocked_generalized_jsd(jnp.asarray(hs), jnp.asarray(ks), jnp.asarray(ht), jnp.asarray(kt),
+                                          jnp.asarray(targets), weights * 0)[0] == 0.0
+
+
+def test_the_distill_objective_in_blocks_equals_whole_logits():
+    """``logits_block`` changes how the logits are formed, not what is trained: loss, metrics and every parameter's
+    gradient of a student against a larger, soft-capped teacher; the automatic choice by size."""
+    from dataclasses import replace
+
+    from flax import nnx
+    from test_objectives import run, sft_batch
+
+    from jaxalign.models import LlamaConfig, create_model
+    from jaxalign.objectives import DistillParams
+    from jaxalign.objectives.distill import resolve_logits_block
+
+    student_config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                                 num_kv_heads=1)
+    student = create_model(student_config, seed=1)
+    teacher = create_model(replace(student_config, hidden_size=64, num_layers=2, final_softcap=5.0), seed=2)
+    batch = sft_batch(b=4, t=12)
+    batch["example_weight"] = np.array([1.0, 0.0, 1.0, 1.0], np.float32)
+    outputs = {}
+    for block in (0, 1, 5):
+        hparams = DistillParams(beta=0.5, temperature=0.8, logits_block=block)
+
+        def loss_fn(m, hparams=hparams):
+            return run("distill", m, batch, hparams, reference=teacher)
+
+        (loss, metrics), grads = jax.jit(nnx.value_and_grad(loss_fn, has_aux=True))(student)
+        outputs[block] = (loss, {k: float(v.total) for k, v in metrics.items()}, jax.tree.leaves(grads))
+    whole = outputs.pop(0)
+    for loss, metrics, grads in outputs.values():
+        assert float(loss) == pytest.approx(float(whole[0]), rel=1e-5)
+        assert metrics == pytest.approx(whole[1], rel=1e-5)
+        for a, b in zip(grads, whole[2], strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()))
+    # automatic: whole logits while they are small, then blocks of about the target's size
+    assert resolve_logits_block(-1, 4, 64, 128, backend="cpu") == 0
+    assert resolve_logits_block(-1, 4, 1024, 49152, backend="cpu") == 42
+    assert resolve_logits_block(-1, 8, 2048, 151936, backend="gpu") == 13
+    assert resolve_logits_block(7, 4, 1024, 49152) == 7
+
+
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory):
     """A larger teacher (2 layers x 64 against the students' 1 x 32), its run folder."""
@@ -96,6 +177,24 @@ def test_distill_trains_a_student_from_a_larger_teacher(teacher, tmp_path):
         validate(load_config("distill", SMALL))
     with pytest.raises(ConfigError, match="does not exist"):
         validate(load_config("distill", [*SMALL, f"--config.objective.params.teacher={tmp_path / 'nope'}"]))
+
+
+@pytest.mark.slow
+def test_blocked_logits_train_as_whole_logits_on_the_mesh(teacher, tmp_path):
+    """Three steps on the 8-device mesh (batch sharded) with the blocked loss end at the weights of whole logits."""
+    from test_distributed import params_of
+    from test_train import small_config
+
+    from jaxalign.train import train
+
+    flags = [f"--config.objective.params.teacher={teacher}", "--config.train.steps=3", "--config.optim.lr=3e-3",
+             "--config.eval.generate=0", "--config.objective.params.beta=0.3"]
+    for block in (0, 3):
+        train(small_config("distill", tmp_path / f"block{block}", *flags,
+                           f"--config.objective.params.logits_block={block}"))
+    (_, whole), (_, blocked) = params_of(tmp_path / "block0"), params_of(tmp_path / "block3")
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(blocked), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -161,7 +161,8 @@ def test_jit_equals_eager(model):
 @pytest.mark.parametrize(("name", "hparams"), [("sft", SFTParams()), ("sft", SFTParams(normalization="sequence")),
                                                ("simpo", None), ("ift", IFTParams(gamma=0.9)),
                                                ("ift", IFTParams(gamma=0.9, normalization="token")),
-                                               ("distill", DistillParams(beta=0.3))])
+                                               ("distill", DistillParams(beta=0.3)),
+                                               ("distill", DistillParams(beta=0.3, logits_block=3))])
 def test_micro_batches_sum_to_the_full_batch(model, tiny_config, name, hparams):
     batch = sft_batch() if name in ("sft", "ift", "distill") else pair_batch()
     batch["loss_mask" if name != "simpo" else "chosen_loss_mask"][0, :] = 0  # a row with nothing to train

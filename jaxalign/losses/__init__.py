@@ -3,7 +3,7 @@
 Nothing here runs a model or touches I/O; ``jaxalign.objectives`` runs the forward passes and calls these.
 """
 
-from jaxalign.losses.distill import generalized_jsd
+from jaxalign.losses.distill import blocked_generalized_jsd, generalized_jsd
 from jaxalign.losses.grpo import GRPO_LOSS_TYPES, group_advantages, grpo, grpo_terms, sampling_correction
 from jaxalign.losses.ift import ift, ift_weights, reverse_discounted_cumsum
 from jaxalign.losses.kto import KTO_LOSS_TYPES, kto, kto_kl
@@ -43,6 +43,7 @@ __all__ = [
     "KTO_LOSS_TYPES",
     "SORTING_LOSS_TYPES",
     "alphapo_rewards",
+    "blocked_generalized_jsd",
     "bradley_terry",
     "cpo",
     "dpo",
