@@ -102,6 +102,36 @@ def test_blocked_generalized_jsd_equals_trl_through_the_heads(beta, temperature,
                                           jnp.asarray(targets), weights * 0)[0] == 0.0
 
 
+def test_blocked_generalized_jsd_on_a_mesh_equals_one_device():
+    """On the 8-device mesh (batch over fsdp, the heads' hidden axis over fsdp as the rules place them) the loss and
+    gradients equal the single-device ones: the head's gradient is summed per batch shard in the loop and reduced
+    once after it."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxalign.parallel import make_mesh
+
+    rng = np.random.RandomState(3)
+    hs, ks = rng.randn(8, 9, 16), rng.randn(16, 40)
+    ht, kt = rng.randn(8, 9, 24), rng.randn(24, 40)
+    targets, weights = rng.randint(0, 40, (8, 9)), (rng.rand(8, 9) > 0.3).astype(np.float32)
+
+    def loss(h, k, *rest):
+        return losses.blocked_generalized_jsd(h, k, *rest, 0.4, 1.0, 4)[0]
+
+    args = [jnp.asarray(x) for x in (hs, ks, ht, kt, targets, weights)]
+    expected = jax.value_and_grad(loss, argnums=(0, 1))(*args)
+    batch_axes = {"fsdp": ("fsdp",), "mixed": (("data", "fsdp"),)}
+    for name, shape in (("fsdp", {"fsdp": 8}), ("mixed", {"data": 2, "fsdp": 2, "tensor": 2})):
+        mesh = make_mesh(shape)  # mixed: the batch in 4 shards, the vocabulary over tensor
+        rows, head = PartitionSpec(*batch_axes[name]), PartitionSpec("fsdp", "tensor" if name == "mixed" else None)
+        placed = [jax.device_put(x, NamedSharding(mesh, spec))
+                  for x, spec in zip(args, (rows, head, rows, head, rows, rows), strict=True)]
+        with jax.set_mesh(mesh):
+            got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(*placed)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def test_the_distill_objective_in_blocks_equals_whole_logits():
     """``logits_block`` changes how the logits are formed, not what is trained: loss, metrics and every parameter's
     gradient of a student against a larger, soft-capped teacher; the automatic choice by size."""

@@ -3,10 +3,13 @@ distributions (GKD, Agarwal et al., 2024, arXiv 2306.13649, Eq. 1), as TRL 1.16'
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+
+from jaxalign.parallel.mesh import constrain, logical_to_spec
 
 
 def generalized_jsd(student_logits: jax.Array, teacher_logits: jax.Array, *, beta: float = 0.5,
@@ -70,12 +73,27 @@ def _target_logp(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
+def _batch_shards(batch: int) -> int:
+    """How many ways the batch axis is split on the current mesh (1 outside one): the partial sums of the head's
+    gradient are kept per shard inside the loop and reduced once after it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return 1
+    spec = logical_to_spec(("batch",), (batch,), mesh)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    return math.prod(dict(mesh.shape)[a] for a in axes)
+
+
 def _blocked(student_hidden, student_kernel, teacher_hidden, teacher_kernel, targets, weights, beta, temperature,
              block, student_softcap, teacher_softcap, with_grads: bool):
     """The loop of ``blocked_generalized_jsd``: ``(sums, grads)``, grads ``None`` unless ``with_grads``."""
     batch, length, dim = student_hidden.shape
     n_blocks = -(-length // block)
     pad = n_blocks * block - length
+    shards = _batch_shards(batch)
+    # on a mesh: the heads gathered once here (not in every block), the vocabulary kept where the rules put it
+    student_kernel = constrain(student_kernel, (None, "vocab"))
+    teacher_kernel = constrain(teacher_kernel, (None, "vocab"))
 
     def padded(x):
         return jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
@@ -99,12 +117,16 @@ def _blocked(student_hidden, student_kernel, teacher_hidden, teacher_kernel, tar
                 return part, None, None
             dz = dz * w[..., None] if dcap is None else dz * dcap * w[..., None]
             dz = dz.astype(h.dtype)
+            # the head's gradient per batch shard ([shards, D, V]): each device sums its own rows, no reduction here
+            per_shard = jnp.einsum("sbtd,sbtv->sdv", h.reshape(shards, -1, *h.shape[1:]),
+                                   dz.reshape(shards, -1, *dz.shape[1:]), preferred_element_type=jnp.float32)
             return (part,
                     jnp.einsum("btv,dv->btd", dz, student_kernel.astype(h.dtype), preferred_element_type=jnp.float32),
-                    jnp.einsum("btd,btv->dv", h, dz, preferred_element_type=jnp.float32))
+                    constrain(per_shard, ("batch", None, "vocab")))
 
         def skip(_):  # a block without trained positions in any row
-            zeros = (jnp.zeros((batch, block, dim), jnp.float32), jnp.zeros(student_kernel.shape, jnp.float32))
+            zeros = (jnp.zeros((batch, block, dim), jnp.float32),
+                     jnp.zeros((shards, *student_kernel.shape), jnp.float32))
             return (jnp.zeros((3,), jnp.float32), *(zeros if with_grads else (None, None)))
 
         part, dh, dk = jax.lax.cond(jnp.any(w != 0), compute, skip, None)
@@ -115,11 +137,13 @@ def _blocked(student_hidden, student_kernel, teacher_hidden, teacher_kernel, tar
 
     init = (jnp.zeros((3,), jnp.float32),
             jnp.zeros((batch, length + pad, dim), jnp.float32) if with_grads else None,
-            jnp.zeros(student_kernel.shape, jnp.float32) if with_grads else None)
+            constrain(jnp.zeros((shards, *student_kernel.shape), jnp.float32), ("batch", None, "vocab"))
+            if with_grads else None)
     sums, grad_hidden, grad_kernel = jax.lax.fori_loop(0, n_blocks, body, init)
     if not with_grads:
         return sums, None
-    return sums, (grad_hidden[:, :length].astype(student_hidden.dtype), grad_kernel.astype(student_kernel.dtype))
+    return sums, (grad_hidden[:, :length].astype(student_hidden.dtype),
+                  grad_kernel.sum(axis=0).astype(student_kernel.dtype))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
