@@ -132,3 +132,49 @@ def test_grpo_twenty_steps_on_smollm2_with_a_verifiable_reward_and_export(smollm
     assert all(np.isfinite(r["loss"]) and 0 <= r["reward"] <= 1 for r in train_rows)
     assert main(["export", "--checkpoint", str(workdir), "--out", str(tmp_path / "hf")]) == 0
     AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+
+
+def test_distillation_on_smollm2_blocks_its_logits_and_trains_from_the_cli(smollm2, tmp_path):
+    """At SmolLM2's vocabulary (49,152) the distillation loss in blocks equals whole logits (loss and the gradients of
+    the tied head and the final norm) against a teacher that differs (its final norm scaled); `jaxalign train --config
+    distill` with SmolLM2 as both student and teacher runs on the blocked default and starts at a zero divergence."""
+    import copy
+    import json
+
+    from flax import nnx
+
+    from jaxalign.objectives import DistillParams, get_objective
+    from jaxalign.objectives.distill import resolve_logits_block
+
+    student, tokenizer = smollm2
+    teacher = copy.deepcopy(student)
+    teacher.norm.weight[...] = teacher.norm.weight[...] * 1.5
+    ids = tokenizer(["def add(a, b):\n    return a + b\n", "The capital of France is Paris."],
+                    padding="max_length", max_length=24, return_tensors="np")
+    loss_mask = ids["attention_mask"].copy()
+    loss_mask[:, :4] = 0
+    batch = {"tokens": jnp.asarray(ids["input_ids"]), "attention_mask": jnp.asarray(ids["attention_mask"]),
+             "loss_mask": jnp.asarray(loss_mask)}
+    fn = get_objective("distill").fn
+    out = {}
+    for block in (0, 5):
+        hparams = DistillParams(teacher="t", beta=0.5, temperature=0.9, logits_block=block)
+        (loss, _), grads = nnx.value_and_grad(lambda m, hp=hparams: fn(m, batch, hp, reference=teacher),
+                                              has_aux=True)(student)
+        out[block] = (float(loss), np.asarray(grads.embed_tokens[...]), np.asarray(grads.norm.weight[...]))
+    assert out[5][0] == pytest.approx(out[0][0], rel=1e-5) and out[0][0] > 1e-3
+    for blocked, whole in zip(out[5][1:], out[0][1:], strict=True):
+        np.testing.assert_allclose(blocked, whole, rtol=1e-4, atol=1e-5 * float(np.abs(whole).max()))
+    assert resolve_logits_block(-1, 8, 255, 49152, backend="cpu") > 0  # the CLI run below takes blocks
+
+    workdir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+    done = subprocess.run([sys.executable, "-m", "jaxalign.cli", "train", "--config", "distill",
+                           f"--config.model.path={smollm2_gguf_path()}",
+                           f"--config.objective.params.teacher={smollm2_gguf_path()}", "--config.train.steps=2",
+                           "--config.train.log_every=1", "--config.eval.generate=0", "--config.train.eval_every=0",
+                           f"--config.workdir={workdir}"], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in rows if r["split"] == "train")
+    assert abs(first["loss"]) < 1e-5 and first["nll/token"] == pytest.approx(first["teacher_nll/token"], rel=1e-5)
