@@ -141,3 +141,13 @@ def test_distill_logits_benchmark_smoke_compares_every_setting():
     assert rows["logits_block=16"]["block"] == 16 and rows["logits_block=0"]["block"] == 0
     assert all(row["step_s"] > 0 and row["temp_bytes"] > 0 for row in rows.values())
     assert rows["logits_block=16"]["temp_bytes"] < rows["logits_block=0"]["temp_bytes"]
+
+
+def test_matvec_fusion_probe_chains_agree():
+    """The batch-1 product probe at 2 layers: its four ways of writing a layer compute the same values."""
+    done = subprocess.run([sys.executable, "benchmarks/matvec_fusion.py", "--layers", "2", "--rounds", "1", "--calls",
+                           "3", "--widths", "1536", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["max_difference"] < 1e-5 and len(result["chains"]) == 4
+    assert all(row["best_gbs"] > 0 for row in result["chains"].values())
