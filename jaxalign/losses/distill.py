@@ -179,9 +179,8 @@ def blocked_generalized_jsd(student_hidden: jax.Array, student_kernel: jax.Array
 
 def _blocked_fwd(student_hidden, student_kernel, teacher_hidden, teacher_kernel, targets, weights, beta, temperature,
                  block, student_softcap, teacher_softcap):
-    sums, grads = _blocked(student_hidden, student_kernel, teacher_hidden, teacher_kernel, targets, weights, beta,
-                           temperature, block, student_softcap, teacher_softcap, with_grads=True)
-    return sums, grads
+    return _blocked(student_hidden, student_kernel, teacher_hidden, teacher_kernel, targets, weights, beta,
+                    temperature, block, student_softcap, teacher_softcap, with_grads=True)
 
 
 def _blocked_bwd(beta, temperature, block, student_softcap, teacher_softcap, residuals, cotangent):

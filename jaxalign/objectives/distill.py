@@ -113,11 +113,18 @@ def distill(model, batch, hparams: DistillParams = DistillParams(), *, reference
             student_hidden[:, :-1], model.head_kernel(), jax.lax.stop_gradient(teacher_hidden[:, :-1]),
             jax.lax.stop_gradient(reference.head_kernel()), tokens[:, 1:].astype(jnp.int32), trained,
             hparams.beta, hparams.temperature, block, model.config.final_softcap, reference.config.final_softcap)
-        count = trained.sum()
-        metrics = {"loss": Metric(jax.lax.stop_gradient(total), count),
-                   "nll/token": Metric(jax.lax.stop_gradient(nll), count),
-                   "teacher_nll/token": Metric(jax.lax.stop_gradient(teacher_nll), count)}
-        return total / jnp.maximum(count, 1e-9), metrics
+    else:
+        total, nll, teacher_nll = _whole_logits(model, reference, student_hidden, teacher_hidden, tokens, trained,
+                                                hparams)
+    count = trained.sum()
+    metrics = {"loss": Metric(jax.lax.stop_gradient(total), count),
+               "nll/token": Metric(jax.lax.stop_gradient(nll), count),
+               "teacher_nll/token": Metric(jax.lax.stop_gradient(teacher_nll), count)}
+    return total / jnp.maximum(count, 1e-9), metrics
+
+
+def _whole_logits(model, reference, student_hidden, teacher_hidden, tokens, trained, hparams: DistillParams):
+    """``(Σ w·JSD, Σ w·NLL_student, Σ w·NLL_teacher)`` from the two models' whole ``[B, T, V]`` logits."""
     student_logits = model.unembed(student_hidden)[:, :-1]
     teacher_logits = jax.lax.stop_gradient(reference.unembed(teacher_hidden)[:, :-1])
     divergence = losses.generalized_jsd(student_logits, teacher_logits, beta=hparams.beta,
@@ -127,8 +134,4 @@ def distill(model, batch, hparams: DistillParams = DistillParams(), *, reference
                                targets, axis=-1)[..., 0]
     teacher_nll = -jnp.take_along_axis(jax.nn.log_softmax(teacher_logits.astype(jnp.float32), -1), targets,
                                        axis=-1)[..., 0]
-    total, count = (divergence * trained).sum(), trained.sum()
-    metrics = {"loss": Metric(jax.lax.stop_gradient(total), count),
-               "nll/token": Metric((nll * trained).sum(), count),
-               "teacher_nll/token": Metric((teacher_nll * trained).sum(), count)}
-    return total / jnp.maximum(count, 1e-9), metrics
+    return (divergence * trained).sum(), (nll * trained).sum(), (teacher_nll * trained).sum()
