@@ -16,7 +16,8 @@ own samples), stage II (threshold-conditioned refusal SFT) and routing to a larg
 
 Claims tested, paired by seed (5 seeds): stage I shortens correct answers; it keeps accuracy (non-inferiority,
 margin 2 points); stage II answers the questions it keeps more accurately than the stage-I model answers all of
-them (τ = 0.5); pre-generation and cascade routing beat random routing.
+them (τ = 0.5); pre-generation and cascade routing beat random routing. ``--stage-one-only`` runs steps 1-2 and
+tests the two stage-I claims alone (a cheaper way to add seeds to those).
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     p = parser(__doc__)
     p.add_argument("--full", action="store_true", help="300 SFT and 300 stage-II steps (default 200 and 150)")
+    p.add_argument("--stage-one-only", action="store_true",
+                   help="the SFT models and stage I only: test the stage-I claims, skip stage II and routing")
     args = p.parse_args(argv)
     started = time.time()
     sizes = (dict(shape="smoke", sft_records=300, sample_questions=24, validation=16, test=16, k=4, sft_steps=4,
@@ -183,9 +186,11 @@ def main(argv: list[str] | None = None) -> dict:
     chosen = (min(keeps, key=lambda lr: np.nanmean([r["validation"]["correct_length"] for r in sweep[lr]]))
               if keeps else max(sizes["dpo_lrs"], key=lambda lr: np.mean([r["validation"]["accuracy"]
                                                                           for r in sweep[lr]])))
-    runs = [{"seed": seed, "sft": sft_model(seed), "stage1": stage1(seed, chosen), "stage2": stage2(seed, chosen)}
-            for seed in seeds]
-    if runs[0]["stage2"]["routing"]:
+    runs = [{"seed": seed, "sft": sft_model(seed), "stage1": stage1(seed, chosen),
+             "stage2": None if args.stage_one_only else stage2(seed, chosen)} for seed in seeds]
+    if args.stage_one_only:
+        _plot_stage1(runs, out / f"{STUDY}_stage1.png")
+    elif runs[0]["stage2"]["routing"]:
         plot_routes(runs[0]["stage2"]["routing"], out / f"{STUDY}_routing.png",
                     title=f"SATER routing on toy arithmetic (seed {seeds[0]})")
     tuning_only = [r for lr, rs in sweep.items() for seed, r in zip(sweep_seeds, rs, strict=True)
@@ -211,33 +216,43 @@ def _results(runs, sweep, chosen, sft_val, sizes, seeds, sweep_seeds, start, tun
                                     [stat(r, "stage1", "correct_length") for r in runs])
     accuracy = paired_difference([stat(r, "stage1", "accuracy") for r in runs],
                                  [stat(r, "sft", "accuracy") for r in runs])
-    selective = [next(p for p in r["stage2"]["routing"]["curves"]["pre_generation"]
-                      if abs(p["setting"] - SELECTIVE_TAU) < 1e-9) for r in runs]
-    selective_gain = paired_difference([answered_accuracy(p) for p in selective],
-                                       [stat(r, "stage1", "accuracy") for r in runs])
-    summary = {mode: {k: [r["stage2"]["routing"]["summary"][mode][k] for r in runs]
-                      for k in ("toa", "toa_random", "toa_golden", "togr")}
-               for mode in runs[0]["stage2"]["routing"]["summary"]}
-    comparisons = {
-        "stage I: correct-answer length, SFT − stage I (tokens)": length_gain,
-        "stage I: accuracy, stage I − SFT": accuracy,
-        f"stage II: accuracy when answering (τ = {SELECTIVE_TAU}) − stage-I accuracy": selective_gain,
-        **{f"{mode} routing: ToA − random ToA": paired_difference(v["toa"], v["toa_random"])
-           for mode, v in summary.items()},
-    }
+    comparisons = {"stage I: correct-answer length, SFT − stage I (tokens)": length_gain,
+                   "stage I: accuracy, stage I − SFT": accuracy}
+    summary = {}
+    if runs[0]["stage2"] is not None:
+        summary, stage2_comparisons = _stage2_comparisons(runs)
+        comparisons.update(stage2_comparisons)
     shifted = {**accuracy, "low": accuracy["low"] + MARGIN, "high": accuracy["high"] + MARGIN}
     verdicts = {name: verdict(d) for name, d in comparisons.items()}
     verdicts["stage I: accuracy, stage I − SFT"] = verdict(shifted)  # non-inferiority: above −2 points
+    every = [x for r in runs for x in (r["sft"], r["stage1"], r["stage2"]) if x is not None]
     return {"sizes": {**sizes, "dpo_lrs": list(sizes["dpo_lrs"])}, "seeds": seeds, "sweep_seeds": sweep_seeds,
             "start": start.name,
             "stage1_lr": chosen, "sft_validation_accuracy": float(sft_val),
             "sweep": {f"{lr:g}": {"validation_accuracy": [r["validation"]["accuracy"] for r in rs],
                                   "validation_correct_length": [r["validation"]["correct_length"] for r in rs]}
                       for lr, rs in sweep.items()},
-            "per_seed": [_clean(r) for r in runs], "routing_summary": summary, "comparisons": comparisons,
-            "verdicts": verdicts,
-            "runs_note": runs_note([x for r in runs for x in (r["sft"], r["stage1"], r["stage2"])] + tuning_only),
-            "routing_table_first_seed": routing_table(runs[0]["stage2"]["routing"])}
+            "per_seed": [_clean(r) for r in runs], "stage_one_only": runs[0]["stage2"] is None,
+            "routing_summary": summary, "comparisons": comparisons, "verdicts": verdicts,
+            "runs_note": runs_note(every + tuning_only),
+            "routing_table_first_seed": routing_table(runs[0]["stage2"]["routing"]) if summary else ""}
+
+
+def _stage2_comparisons(runs) -> tuple[dict, dict]:
+    """Stage II's and routing's per-seed summaries and their paired comparisons."""
+    selective = [next(p for p in r["stage2"]["routing"]["curves"]["pre_generation"]
+                      if abs(p["setting"] - SELECTIVE_TAU) < 1e-9) for r in runs]
+    selective_gain = paired_difference([answered_accuracy(p) for p in selective],
+                                       [r["stage1"]["test"]["accuracy"] for r in runs])
+    summary = {mode: {k: [r["stage2"]["routing"]["summary"][mode][k] for r in runs]
+                      for k in ("toa", "toa_random", "toa_golden", "togr")}
+               for mode in runs[0]["stage2"]["routing"]["summary"]}
+    comparisons = {
+        f"stage II: accuracy when answering (τ = {SELECTIVE_TAU}) − stage-I accuracy": selective_gain,
+        **{f"{mode} routing: ToA − random ToA": paired_difference(v["toa"], v["toa_random"])
+           for mode, v in summary.items()},
+    }
+    return summary, comparisons
 
 
 def _clean(run: dict) -> dict:
@@ -265,7 +280,23 @@ def _markdown(results: dict) -> str:
         ["model", "greedy accuracy %", "greedy correct length (tokens)"],
         [[name, col(stage, "test", "accuracy", 100), col(stage, "test", "correct_length", 1, 2)]
          for name, stage in (("SFT", "sft"), ("SFT + stage I (DPO)", "stage1"))])
-    text += "\n\nStage II on the test pool (pre-generation prompts; mean [95 % CI]):\n\n" + table(
+    if not results["stage_one_only"]:
+        text += _stage2_markdown(results)
+    text += "\n\nPaired by seed:\n\n" + _differences(results)
+    if not results["stage_one_only"]:
+        text += f"\n\nRouting table of seed {results['seeds'][0]}:\n\n{results['routing_table_first_seed']}"
+    stage2 = (" (stage II and routing not run: --stage-one-only)" if results["stage_one_only"]
+              else f", stage II {sizes['stage2_steps']} SFT steps (lr {sizes['stage2_lr']:g})")
+    text += (f"\n\nSeeds {', '.join(map(str, results['seeds']))}; start `{results['start']}`; {sizes['sft_steps']} SFT "
+             f"steps, stage I {sizes['dpo_steps']} DPO steps (lr {results['stage1_lr']:g}){stage2}; K = {sizes['k']} "
+             f"samples on {sizes['sample_questions']} training questions; stage-I pairs per seed: "
+             f"{', '.join(str(r['sft']['stage1_data']['pairs']) for r in runs)}. {results['runs_note']}")
+    return text
+
+
+def _stage2_markdown(results: dict) -> str:
+    runs = results["per_seed"]
+    text = "\n\nStage II on the test pool (pre-generation prompts; mean [95 % CI]):\n\n" + table(
         ["τ", "refusal rate %", "accuracy when answering %", "refusal share in its training targets %"],
         [[f"{tau:g}", ci_text([_point(r, tau)["routed"] for r in runs], 100),
           ci_text([answered_accuracy(_point(r, tau)) for r in runs], 100),
@@ -274,13 +305,6 @@ def _markdown(results: dict) -> str:
         ["mode", "ToA", "random routing", "golden routing", "ToGR"],
         [[mode, ci_text(v["toa"], 1, 3), ci_text(v["toa_random"], 1, 3), ci_text(v["toa_golden"], 1, 3),
           ci_text(v["togr"], 1, 3)] for mode, v in results["routing_summary"].items()])
-    text += "\n\nPaired by seed:\n\n" + _differences(results)
-    text += (f"\n\nRouting table of seed {results['seeds'][0]}:\n\n{results['routing_table_first_seed']}\n\n"
-             f"Seeds {', '.join(map(str, results['seeds']))}; start `{results['start']}`; {sizes['sft_steps']} SFT "
-             f"steps, stage I {sizes['dpo_steps']} DPO steps (lr {results['stage1_lr']:g}), stage II "
-             f"{sizes['stage2_steps']} SFT steps (lr {sizes['stage2_lr']:g}); K = {sizes['k']} samples on "
-             f"{sizes['sample_questions']} training questions; stage-I pairs per seed: "
-             f"{', '.join(str(r['sft']['stage1_data']['pairs']) for r in runs)}. {results['runs_note']}")
     return text
 
 
@@ -293,6 +317,29 @@ def _differences(results: dict) -> str:
         rows.append([name, f"{scale * d['mean']:+.{digits}f} {unit}", f"[{low}, {high}]", f"{d['p']:.3f}",
                      results["verdicts"][name]])
     return table(["claim (difference)", "mean", "95 % CI", "paired t-test p", "verdict"], rows)
+
+
+def _plot_stage1(runs, path: Path) -> None:
+    """Per seed: stage I's change in test accuracy and in correct-answer length against its SFT model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    accuracy = [100 * (r["stage1"]["test"]["accuracy"] - r["sft"]["test"]["accuracy"]) for r in runs]
+    length = [r["sft"]["test"]["correct_length"] - r["stage1"]["test"]["correct_length"] for r in runs]
+    fig, ax = plt.subplots(figsize=(4.2, 3.4))
+    ax.axvline(-100 * MARGIN, color="grey", ls=":", label=f"non-inferiority margin ({100 * MARGIN:.0f} points)")
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.axvline(0, color="grey", lw=0.5)
+    ax.plot(accuracy, length, "o")
+    ax.set_xlabel("test accuracy, stage I − SFT (points)")
+    ax.set_ylabel("correct length, SFT − stage I (tokens)")
+    ax.set_title("SATER stage I, one point per seed", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _point(run: dict, tau: float) -> dict:

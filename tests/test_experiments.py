@@ -95,3 +95,21 @@ def test_smollm2_study_resumes_from_its_records_after_the_run_folders_are_gone(t
     assert outputs[0] == outputs[1]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name.startswith("dpo_lr")) == \
         [f"dpo_lr{json.loads(outputs[0])['chosen']['dpo']}_s0"]  # only the exported run was trained again
+
+
+@pytest.mark.slow
+def test_sater_stage_one_only_tests_the_stage_one_claims_alone(tmp_path):
+    command = [sys.executable, str(EXPERIMENTS / "sater_toy.py"), "--smoke", "--stage-one-only",
+               "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "runs")]
+    done = subprocess.run(command, cwd=EXPERIMENTS.parent, env=one_device_env(), capture_output=True, text=True,
+                          timeout=1200)
+    assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    results = json.loads((tmp_path / "out" / "sater_toy.json").read_text())["results"]
+    assert results["stage_one_only"] and not results["routing_summary"]
+    assert list(results["verdicts"]) == ["stage I: correct-answer length, SFT − stage I (tokens)",
+                                         "stage I: accuracy, stage I − SFT"]
+    assert all(run["stage2"] is None for run in results["per_seed"])
+    assert not list((tmp_path / "runs").glob("seed*/stage2_*")), "stage II was not trained"
+    text = (tmp_path / "out" / "sater_toy.md").read_text()
+    assert "Stage II on the test pool" not in text and "--stage-one-only" in text
+    assert (tmp_path / "out" / "sater_toy_stage1.png").exists()
