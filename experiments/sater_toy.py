@@ -218,8 +218,8 @@ def _results(runs, sweep, chosen, sft_val, sizes, seeds, sweep_seeds, start, tun
                                  [stat(r, "sft", "accuracy") for r in runs])
     comparisons = {"stage I: correct-answer length, SFT − stage I (tokens)": length_gain,
                    "stage I: accuracy, stage I − SFT": accuracy}
-    summary = {}
-    if runs[0]["stage2"] is not None:
+    summary, stage_one_only = {}, runs[0]["stage2"] is None
+    if not stage_one_only:
         summary, stage2_comparisons = _stage2_comparisons(runs)
         comparisons.update(stage2_comparisons)
     shifted = {**accuracy, "low": accuracy["low"] + MARGIN, "high": accuracy["high"] + MARGIN}
@@ -232,10 +232,10 @@ def _results(runs, sweep, chosen, sft_val, sizes, seeds, sweep_seeds, start, tun
             "sweep": {f"{lr:g}": {"validation_accuracy": [r["validation"]["accuracy"] for r in rs],
                                   "validation_correct_length": [r["validation"]["correct_length"] for r in rs]}
                       for lr, rs in sweep.items()},
-            "per_seed": [_clean(r) for r in runs], "stage_one_only": runs[0]["stage2"] is None,
+            "per_seed": [_clean(r) for r in runs], "stage_one_only": stage_one_only,
             "routing_summary": summary, "comparisons": comparisons, "verdicts": verdicts,
             "runs_note": runs_note(every + tuning_only),
-            "routing_table_first_seed": routing_table(runs[0]["stage2"]["routing"]) if summary else ""}
+            "routing_table_first_seed": "" if stage_one_only else routing_table(runs[0]["stage2"]["routing"])}
 
 
 def _stage2_comparisons(runs) -> tuple[dict, dict]:

@@ -30,6 +30,16 @@ def one_device_env() -> dict[str, str]:
     return env
 
 
+def run_at_smoke_size(study: str, tmp_path: Path, *options: str) -> None:
+    """Runs ``experiments/<study>.py --smoke`` as a user runs it (its own process, one CPU device), writing to
+    ``tmp_path/out`` and ``tmp_path/runs``."""
+    command = [sys.executable, str(EXPERIMENTS / f"{study}.py"), "--smoke", *options, "--out", str(tmp_path / "out"),
+               "--workdir", str(tmp_path / "runs")]
+    done = subprocess.run(command, cwd=EXPERIMENTS.parent, env=one_device_env(), capture_output=True, text=True,
+                          timeout=1200)
+    assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("study", STUDIES)
 def test_study_runs_at_smoke_size(study, tmp_path):
@@ -38,11 +48,7 @@ def test_study_runs_at_smoke_size(study, tmp_path):
     module = importlib.import_module(study)
     for package in getattr(module, "REQUIRES", ()):
         pytest.importorskip(package)
-    command = [sys.executable, str(EXPERIMENTS / f"{study}.py"), "--smoke", "--out", str(tmp_path / "out"),
-               "--workdir", str(tmp_path / "runs")]
-    done = subprocess.run(command, cwd=EXPERIMENTS.parent, env=one_device_env(), capture_output=True, text=True,
-                          timeout=1200)
-    assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    run_at_smoke_size(study, tmp_path)
     written = json.loads((tmp_path / "out" / f"{study}.json").read_text())
     assert written["results"]
     assert written["meta"]["command"].startswith(f"python experiments/{study}.py --smoke")
@@ -99,11 +105,7 @@ def test_smollm2_study_resumes_from_its_records_after_the_run_folders_are_gone(t
 
 @pytest.mark.slow
 def test_sater_stage_one_only_tests_the_stage_one_claims_alone(tmp_path):
-    command = [sys.executable, str(EXPERIMENTS / "sater_toy.py"), "--smoke", "--stage-one-only",
-               "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "runs")]
-    done = subprocess.run(command, cwd=EXPERIMENTS.parent, env=one_device_env(), capture_output=True, text=True,
-                          timeout=1200)
-    assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    run_at_smoke_size("sater_toy", tmp_path, "--stage-one-only")
     results = json.loads((tmp_path / "out" / "sater_toy.json").read_text())["results"]
     assert results["stage_one_only"] and not results["routing_summary"]
     assert list(results["verdicts"]) == ["stage I: correct-answer length, SFT − stage I (tokens)",
