@@ -65,10 +65,20 @@ def main(argv: list[str] | None = None) -> dict:
                          "rate on the validation pool")
     options.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms of {tuple(ARMS)}; sft is "
                          "always one (the others are compared with it)")
+    options.add_argument("--kd-temperature", type=float, default=1.0, help="the KD arm's temperature T: both "
+                         "distributions at logits / T, Hinton's softened targets (default 1; other values keep their "
+                         "runs apart, in <workdir>/seedS/kd_tT)")
     args = options.parse_args(argv)
     if unknown := set(args.arms.split(",")) - set(ARMS):
         options.error(f"--arms: unknown {sorted(unknown)}; choose from {tuple(ARMS)}")
+    if args.kd_temperature <= 0:
+        options.error(f"--kd-temperature {args.kd_temperature}: must be > 0")
     arms = {arm: ARMS[arm] for arm in ARMS if arm == "sft" or arm in args.arms.split(",")}
+    labels, folders = dict(LABELS), {arm: arm for arm in ARMS}
+    if args.kd_temperature != 1.0 and "kd" in arms:
+        arms["kd"] = ("distill", {**ARMS["kd"][1], "temperature": args.kd_temperature})
+        labels["kd"] = f"KD (off-policy, β = 0, T = {args.kd_temperature:g})"
+        folders["kd"] = f"kd_t{args.kd_temperature:g}"
     lrs = tuple(float(lr) for lr in args.lrs.split(",")) if args.lrs else LRS
     started = time.time()
     sizes = (dict(train=200, validation=8, test=8, teacher_steps=4, warmup_steps=2, steps=4, teacher="smoke",
@@ -107,10 +117,10 @@ def main(argv: list[str] | None = None) -> dict:
     warm = sft_model("student_start", sizes["warmup_steps"], WARMUP_LR, 0, sizes["student"], student_start)
 
     def run_one(arm: str, lr: float, seed: int) -> dict:
-        workdir = root / f"seed{seed}" / arm / f"lr{lr:g}"
+        workdir = root / f"seed{seed}" / folders[arm] / f"lr{lr:g}"
 
         def fit() -> dict:
-            objective, params = ARMS[arm]
+            objective, params = arms[arm]
             if objective == "distill":
                 params = {"teacher": str(root / "teacher" / "hf"), "max_new_tokens": 8, **params}
             begun = time.time()
@@ -124,10 +134,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     tuned = tuned_arms(arms, sizes["lrs"], seeds, sweep_seeds, run_one)
     tests = {arm: [r["test"] for r in tuned["runs"][arm]] for arm in arms}
-    comparisons = {f"{LABELS[arm]} − SFT": paired_difference(tests[arm], tests["sft"]) for arm in arms
+    comparisons = {f"{labels[arm]} − SFT": paired_difference(tests[arm], tests["sft"]) for arm in arms
                    if arm != "sft"}
     results = {"sizes": {**sizes, "lrs": list(sizes["lrs"]), "validation": len(validation), "test": len(test)},
-               "seeds": seeds, "tune_seeds": sweep_seeds,
+               "seeds": seeds, "tune_seeds": sweep_seeds, "labels": {arm: labels[arm] for arm in arms},
                "starts": [teacher_start.name, student_start.name], "teacher": teacher,
                "student_start": warm,
                "chosen": tuned["chosen"], "sweep": sweep_summary(tuned), "runs": tuned["runs"],
@@ -142,11 +152,12 @@ def main(argv: list[str] | None = None) -> dict:
 def _markdown(results: dict) -> str:
     sizes = results["sizes"]
     main = table(["arm", "learning rate", "test exact match, % (95 % CI)", "per seed, %", "seconds per run"],
-                 [[LABELS[arm], f"{results['chosen'][arm]:g}", ci_text([r["test"] for r in runs], 100),
+                 [[results["labels"][arm], f"{results['chosen'][arm]:g}", ci_text([r["test"] for r in runs], 100),
                    ", ".join(f"{100 * r['test']:.1f}" for r in runs), f"{np.mean([r['seconds'] for r in runs]):.0f}"]
                   for arm, runs in results["runs"].items()])
+    sweep = sweep_table(results, results["labels"])
     return (f"Learning-rate sweep (validation exact match %, mean of seeds {results['tune_seeds']}, "
-            f"{sizes['validation']} questions):\n\n{sweep_table(results, LABELS)}\n\nTest pool ({sizes['test']} "
+            f"{sizes['validation']} questions):\n\n{sweep}\n\nTest pool ({sizes['test']} "
             f"questions), seeds {', '.join(map(str, results['seeds']))}; students: the {sizes['student']} start "
             f"after {sizes['warmup_steps']} SFT steps (test exact match {100 * results['student_start']['test']:.1f} "
             f"%), then {sizes['steps']} steps of batch 32; teacher: the {sizes['teacher']} start + "
@@ -168,7 +179,7 @@ def plot(results: dict, path) -> None:
         ax.bar(i, np.mean(values), color="#3a7" if arm != "sft" else "#999", alpha=0.7)
         ax.scatter([i] * len(values), values, color="k", s=12, zorder=3)
     ax.axhline(100 * results["teacher"]["test"], color="#c33", ls="--", lw=1, label="teacher")
-    ax.set_xticks(range(len(results["runs"])), [LABELS[a].split(" (")[0] for a in results["runs"]])
+    ax.set_xticks(range(len(results["runs"])), [results["labels"][a].split(" (")[0] for a in results["runs"]])
     ax.set_ylabel("test exact match %")
     ax.set_title("Small student, same start, data and steps", fontsize=9)
     ax.legend(fontsize=8)

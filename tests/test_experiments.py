@@ -115,3 +115,17 @@ def test_sater_stage_one_only_tests_the_stage_one_claims_alone(tmp_path):
     text = (tmp_path / "out" / "sater_toy.md").read_text()
     assert "Stage II on the test pool" not in text and "--stage-one-only" in text
     assert (tmp_path / "out" / "sater_toy_stage1.png").exists()
+
+
+@pytest.mark.slow
+def test_distill_kd_temperature_is_its_own_arm(tmp_path):
+    run_at_smoke_size("distill_toy", tmp_path, "--arms", "kd", "--kd-temperature", "2")
+    results = json.loads((tmp_path / "out" / "distill_toy.json").read_text())["results"]
+    assert results["labels"] == {"sft": "SFT", "kd": "KD (off-policy, β = 0, T = 2)"}
+    assert list(results["verdicts"]) == ["KD (off-policy, β = 0, T = 2) − SFT"]
+    runs = tmp_path / "runs"
+    assert not list(runs.glob("seed*/kd/")), "runs at T = 1 and T = 2 share no folder"
+    (config,) = runs.glob("seed0/kd_t2/*/run/config.json")
+    params = json.loads(config.read_text())["objective"]["params"]
+    assert params["temperature"] == 2.0 and params["beta"] == 0.0 and params["lmbda"] == 0.0
+    assert "T = 2" in (tmp_path / "out" / "distill_toy.md").read_text()
