@@ -218,10 +218,17 @@ def cached_run(path: Path, fn) -> dict:
     """``fn()``'s JSON-able result, stored at ``path``: a study interrupted and started again skips finished runs."""
     path = Path(path)
     if path.exists():
-        return json.loads(path.read_text())
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as error:  # never trusted: the run is redone only where the user says so
+            raise SystemExit(f"{path}: a finished run's record that is not valid JSON ({error}); delete the file to "
+                             "run it again") from None
     result = fn()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result) + "\n")
+    # written aside and renamed: a study killed mid-write leaves no half-written record behind
+    aside = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    aside.write_text(json.dumps(result) + "\n")
+    os.replace(aside, path)
     return result
 
 

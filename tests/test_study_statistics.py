@@ -93,3 +93,15 @@ def test_sweep_seeds_outside_the_evaluated_seeds_tune_without_being_evaluated(co
     assert tuned["chosen"] == {"a": 2}
     assert [r["key"] for r in tuned["runs"]["a"]] == [("a", 2, 21), ("a", 2, 22), ("a", 2, 23)]
     assert len(tuned["every"]) == 4 + 3  # the sweep's runs are counted, none of them is an evaluated run
+
+
+def test_cached_run_skips_a_finished_run_and_never_trusts_a_broken_record(common, tmp_path):
+    calls = []
+    record = tmp_path / "seed0" / "result.json"
+    assert common.cached_run(record, lambda: calls.append(1) or {"test": 0.5}) == {"test": 0.5}
+    assert common.cached_run(record, lambda: calls.append(1) or {"test": 0.0}) == {"test": 0.5}
+    assert calls == [1] and [p.name for p in record.parent.iterdir()] == ["result.json"]  # nothing left aside
+    record.write_text('{"test": 0.')  # a record cut short
+    with pytest.raises(SystemExit, match=r"result\.json: a finished run's record that is not valid JSON"):
+        common.cached_run(record, lambda: calls.append(1) or {"test": 0.0})
+    assert calls == [1]
