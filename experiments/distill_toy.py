@@ -71,9 +71,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = options.parse_args(argv)
     if unknown := set(args.arms.split(",")) - set(ARMS):
         options.error(f"--arms: unknown {sorted(unknown)}; choose from {tuple(ARMS)}")
+    arms = {arm: ARMS[arm] for arm in ARMS if arm == "sft" or arm in args.arms.split(",")}
     if args.kd_temperature <= 0:
         options.error(f"--kd-temperature {args.kd_temperature}: must be > 0")
-    arms = {arm: ARMS[arm] for arm in ARMS if arm == "sft" or arm in args.arms.split(",")}
+    if args.kd_temperature != 1.0 and "kd" not in arms:
+        options.error(f"--kd-temperature {args.kd_temperature:g} sets the kd arm, which --arms {args.arms} leaves out")
     labels, folders = dict(LABELS), {arm: arm for arm in ARMS}
     if args.kd_temperature != 1.0 and "kd" in arms:
         arms["kd"] = ("distill", {**ARMS["kd"][1], "temperature": args.kd_temperature})

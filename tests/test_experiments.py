@@ -129,3 +129,14 @@ def test_distill_kd_temperature_is_its_own_arm(tmp_path):
     params = json.loads(config.read_text())["objective"]["params"]
     assert params["temperature"] == 2.0 and params["beta"] == 0.0 and params["lmbda"] == 0.0
     assert "T = 2" in (tmp_path / "out" / "distill_toy.md").read_text()
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--arms", "gkd", "--kd-temperature", "2"], "which --arms gkd leaves out"),
+    (["--kd-temperature", "0"], "must be > 0"),
+])
+def test_distill_kd_temperature_is_checked_before_anything_runs(options, message, capsys, tmp_path):
+    distill_toy = importlib.import_module("distill_toy")
+    with pytest.raises(SystemExit):
+        distill_toy.main(["--smoke", *options, "--workdir", str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
+    assert message in capsys.readouterr().err and not (tmp_path / "runs").exists()
