@@ -23,6 +23,7 @@ from jaxalign.configs import base  # noqa: E402
 from jaxalign.data.tokenize import as_tokenizer  # noqa: E402
 from jaxalign.train import train  # noqa: E402
 from jaxalign.train.export import restore_model  # noqa: E402
+from jaxalign.train.writers import atomic_write  # noqa: E402
 
 # model shapes: the bundled tiny preset, a smaller "small" model, and the one-layer smoke size
 SHAPES = {
@@ -225,10 +226,7 @@ def cached_run(path: Path, fn) -> dict:
                              "run it again") from None
     result = fn()
     path.parent.mkdir(parents=True, exist_ok=True)
-    # written aside and renamed: a study killed mid-write leaves no half-written record behind
-    aside = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    aside.write_text(json.dumps(result) + "\n")
-    os.replace(aside, path)
+    atomic_write(path, json.dumps(result) + "\n")  # a study killed mid-write leaves no half-written record
     return result
 
 

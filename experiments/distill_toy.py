@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.kd_temperature != 1.0 and "kd" not in arms:
         options.error(f"--kd-temperature {args.kd_temperature:g} sets the kd arm, which --arms {args.arms} leaves out")
     labels, folders = dict(LABELS), {arm: arm for arm in ARMS}
-    if args.kd_temperature != 1.0 and "kd" in arms:
+    if args.kd_temperature != 1.0:  # the kd arm is in arms (checked above)
         arms["kd"] = ("distill", {**ARMS["kd"][1], "temperature": args.kd_temperature})
         labels["kd"] = f"KD (off-policy, β = 0, T = {args.kd_temperature:g})"
         folders["kd"] = f"kd_t{args.kd_temperature:g}"

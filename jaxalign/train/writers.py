@@ -84,7 +84,7 @@ def write_run_files(workdir: str | Path, effective: dict, hf_tokenizer, model_co
         return
     from jaxalign.train.build import write_model_config
 
-    _atomic_write(Path(workdir) / "config.json", json.dumps(effective, indent=2))
+    atomic_write(Path(workdir) / "config.json", json.dumps(effective, indent=2))
     hf_tokenizer.save_pretrained(str(Path(workdir) / "tokenizer"))
     write_model_config(Path(workdir), model_config)
 
@@ -92,11 +92,12 @@ def write_run_files(workdir: str | Path, effective: dict, hf_tokenizer, model_co
 def write_summary(workdir: str | Path, summary: dict) -> dict:
     """``summary.json`` in the run folder (process 0); returns ``summary``."""
     if jax.process_index() == 0:
-        _atomic_write(Path(workdir) / "summary.json", json.dumps(summary, indent=2))
+        atomic_write(Path(workdir) / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
+    """``text`` into ``path``, written aside and renamed: a kill mid-write leaves the old file or the new one."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     tmp.replace(path)
@@ -135,7 +136,7 @@ def rewind_metrics(path: str | Path, step: int, *, final: bool = False) -> int:
     rows = read_metrics(path)
     kept = [r for r in rows if r["step"] < step or (r["step"] == step and not (final and r["split"] == "eval"))]
     if len(kept) != len(rows) or not path.read_text(errors="replace").endswith("\n"):
-        _atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept))
+        atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept))
     return len(rows) - len(kept)
 
 
