@@ -12,6 +12,8 @@ by distilling a larger teacher's next-token distributions (GKD's generalized JSD
 * Metric: greedy exact match on the test pool (the toy's own metric); 5 seeds (the data order and the sampling);
   paired by seed: each distillation arm − SFT with its 95 % t interval, a paired t-test and a verdict on
   "distillation > SFT". On-policy steps also spend compute on sampling (seconds per run are reported).
+* ``--train-records N``: the student (its warm-up and every arm) learns from the first N of the teacher's records
+  only, Hinton et al.'s "soft targets as regularizers" setting (the student has little data, the teacher more).
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ def main(argv: list[str] | None = None) -> dict:
     options.add_argument("--kd-temperature", type=float, default=1.0, help="the KD arm's temperature T: both "
                          "distributions at logits / T, Hinton's softened targets (default 1; other values keep their "
                          "runs apart, in <workdir>/seedS/kd_tT)")
+    options.add_argument("--train-records", type=int, default=0, help="the student's data: the first N of the "
+                         "teacher's training records (warm-up and every arm; Hinton et al.'s soft targets with "
+                         "little data); default: all of them. The teacher is shared; the student's runs go in "
+                         "<workdir>/nN")
     args = options.parse_args(argv)
     if unknown := set(args.arms.split(",")) - set(ARMS):
         options.error(f"--arms: unknown {sorted(unknown)}; choose from {tuple(ARMS)}")
@@ -87,27 +93,32 @@ def main(argv: list[str] | None = None) -> dict:
                   student="smoke", lrs=(3e-3,)) if args.smoke
              else dict(train=4000, validation=0, test=0, teacher_steps=1200, warmup_steps=150, steps=400,
                        teacher="tiny", student="small", lrs=lrs))
+    if not 0 <= args.train_records <= sizes["train"]:
+        options.error(f"--train-records {args.train_records}: need 1 to {sizes['train']} (the teacher's records), "
+                      "or 0 for all of them")
     seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
     if not 1 <= args.tune_seeds <= len(seeds):
         options.error(f"--tune-seeds {args.tune_seeds}: need 1 to {len(seeds)} (the number of seeds)")
     sweep_seeds = sweep_seeds_of(args, seeds, args.tune_seeds)  # --sweep-seeds, where given, replaces the count
     root = workdir_of(args, STUDY)
+    students = root / f"n{args.train_records}" if args.train_records else root
     validation = arithmetic_pool("validation")[: sizes["validation"] or None]
     test = arithmetic_pool("test")[: sizes["test"] or None]
     teacher_start, student_start = pretrained_start(sizes["teacher"]), pretrained_start(sizes["student"])
-    data = write_jsonl(arithmetic(sizes["train"], 7, pool="train"), root / "train.jsonl")
+    records = arithmetic(sizes["train"], 7, pool="train")
+    data = write_jsonl(records, root / "train.jsonl")
+    student_data = write_jsonl(records[: args.train_records], students / "train.jsonl") if args.train_records else data
 
     def config_for(workdir: Path, objective: str, params: dict, steps: int, lr: float, seed: int, shape: str,
-                   start: Path):
-        return toy_config(workdir, data, objective=objective, steps=steps, shape=shape, seed=seed, lr=lr,
+                   start: Path, train_path: Path = student_data):
+        return toy_config(workdir, train_path, objective=objective, steps=steps, shape=shape, seed=seed, lr=lr,
                           params=params, start=start)
 
-    def sft_model(name: str, steps: int, lr: float, seed: int, shape: str, start: Path) -> dict:
-        """SFT from ``start`` into ``root/name`` once, exported to ``root/name/hf``; its exact match."""
-        folder = root / name
+    def sft_model(folder: Path, steps: int, lr: float, seed: int, shape: str, start: Path, train_path: Path) -> dict:
+        """SFT from ``start`` on ``train_path`` into ``folder`` once, exported to ``folder/hf``; its exact match."""
 
         def fit() -> dict:
-            train(config_for(folder / "run", "sft", {}, steps, lr, seed, shape, start))
+            train(config_for(folder / "run", "sft", {}, steps, lr, seed, shape, start, train_path))
             export(folder / "run", folder / "hf")
             model, tokenizer, _ = restore_model(folder / "run")
             return {"test": exact_match(model, tokenizer, test),
@@ -115,11 +126,13 @@ def main(argv: list[str] | None = None) -> dict:
 
         return cached_run(folder / "result.json", fit)
 
-    teacher = sft_model("teacher", sizes["teacher_steps"], TEACHER_LR, 100, sizes["teacher"], teacher_start)
-    warm = sft_model("student_start", sizes["warmup_steps"], WARMUP_LR, 0, sizes["student"], student_start)
+    teacher = sft_model(root / "teacher", sizes["teacher_steps"], TEACHER_LR, 100, sizes["teacher"], teacher_start,
+                        data)
+    warm = sft_model(students / "student_start", sizes["warmup_steps"], WARMUP_LR, 0, sizes["student"],
+                     student_start, student_data)
 
     def run_one(arm: str, lr: float, seed: int) -> dict:
-        workdir = root / f"seed{seed}" / folders[arm] / f"lr{lr:g}"
+        workdir = students / f"seed{seed}" / folders[arm] / f"lr{lr:g}"
 
         def fit() -> dict:
             objective, params = arms[arm]
@@ -127,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
                 params = {"teacher": str(root / "teacher" / "hf"), "max_new_tokens": 8, **params}
             begun = time.time()
             train(config_for(workdir / "run", objective, params, sizes["steps"], lr, seed, sizes["student"],
-                             root / "student_start" / "hf"))
+                             students / "student_start" / "hf"))
             model, tokenizer, _ = restore_model(workdir / "run")
             return {"arm": arm, "lr": lr, "seed": seed, "validation": exact_match(model, tokenizer, validation),
                     "test": exact_match(model, tokenizer, test), "seconds": round(time.time() - begun, 1)}
@@ -138,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
     tests = {arm: [r["test"] for r in tuned["runs"][arm]] for arm in arms}
     comparisons = {f"{labels[arm]} − SFT": paired_difference(tests[arm], tests["sft"]) for arm in arms
                    if arm != "sft"}
-    results = {"sizes": {**sizes, "lrs": list(sizes["lrs"]), "validation": len(validation), "test": len(test)},
+    results = {"sizes": {**sizes, "lrs": list(sizes["lrs"]), "validation": len(validation), "test": len(test),
+                         "student_records": args.train_records or sizes["train"]},
                "seeds": seeds, "tune_seeds": sweep_seeds, "labels": {arm: labels[arm] for arm in arms},
                "starts": [teacher_start.name, student_start.name], "teacher": teacher,
                "student_start": warm,
@@ -162,8 +176,9 @@ def _markdown(results: dict) -> str:
             f"{sizes['validation']} questions):\n\n{sweep}\n\nTest pool ({sizes['test']} "
             f"questions), seeds {', '.join(map(str, results['seeds']))}; students: the {sizes['student']} start "
             f"after {sizes['warmup_steps']} SFT steps (test exact match {100 * results['student_start']['test']:.1f} "
-            f"%), then {sizes['steps']} steps of batch 32; teacher: the {sizes['teacher']} start + "
-            f"{sizes['teacher_steps']} SFT steps, test exact match {100 * results['teacher']['test']:.1f} %:"
+            f"%), then {sizes['steps']} steps of batch 32, both on {sizes['student_records']} training records; "
+            f"teacher: the {sizes['teacher']} start + {sizes['teacher_steps']} SFT steps on {sizes['train']} "
+            f"records, test exact match {100 * results['teacher']['test']:.1f} %:"
             f"\n\n{main}\n\n"
             + differences_table(results["comparisons"], verdicts=True) + "\n\n" + runs_note(results["all_runs"]))
 

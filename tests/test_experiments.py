@@ -131,9 +131,28 @@ def test_distill_kd_temperature_is_its_own_arm(tmp_path):
     assert "T = 2" in (tmp_path / "out" / "distill_toy.md").read_text()
 
 
+@pytest.mark.slow
+def test_distill_student_records_share_the_teacher(tmp_path):
+    run_at_smoke_size("distill_toy", tmp_path, "--arms", "kd", "--train-records", "40")
+    runs = tmp_path / "runs"
+    student_data = (runs / "n40" / "train.jsonl").read_text().splitlines()
+    assert student_data == (runs / "train.jsonl").read_text().splitlines()[:40]
+    assert not (runs / "n40" / "teacher").exists() and (runs / "teacher" / "hf").is_dir()
+    for config in [*runs.glob("n40/seed*/*/*/run/config.json"), runs / "n40" / "student_start" / "run" / "config.json"]:
+        assert json.loads(config.read_text())["data"]["train"] == str(runs / "n40" / "train.jsonl")
+    assert json.loads((runs / "teacher" / "run" / "config.json").read_text())["data"]["train"] == str(
+        runs / "train.jsonl")
+    assert not list(runs.glob("seed*")), "the student's runs are all under n40"
+    results = json.loads((tmp_path / "out" / "distill_toy.json").read_text())["results"]
+    assert results["sizes"]["student_records"] == 40
+    assert "both on 40 training records" in (tmp_path / "out" / "distill_toy.md").read_text()
+
+
 @pytest.mark.parametrize("options, message", [
     (["--arms", "gkd", "--kd-temperature", "2"], "which --arms gkd leaves out"),
     (["--kd-temperature", "0"], "must be > 0"),
+    (["--train-records", "201"], "need 1 to 200 (the teacher's records)"),
+    (["--train-records", "-1"], "need 1 to 200"),
 ])
 def test_distill_kd_temperature_is_checked_before_anything_runs(options, message, capsys, tmp_path):
     distill_toy = importlib.import_module("distill_toy")
