@@ -15,8 +15,13 @@ task B's data (add -> reverse), with A's core frozen or not; A's retention.
 
 Scores: held-out exact match per task (the arithmetic questions from the test pool), the mean over tasks. Paired
 differences over seeds for: CPI-FT − multi-task SFT, CPI-FT − sequential SFT (the claim), CPI-FT − no fusion and
-CPI-FT − no freezing (what each part adds), and A's retention with the core frozen − without. The learning rates
-are fixed, not tuned (``PROBE_LR`` for the probes, ``LR`` for stages and baselines).
+CPI-FT − no freezing (what each part adds), and A's retention with the core frozen − without. The probes (and the
+forgetting test) run at ``PROBE_LR``, part of the method. The stages and the baselines run at ``LR`` by default;
+``--lrs`` with several rates tunes them per arm instead, as the fair-test protocol asks: every rate's run on the
+validation pool over ``--sweep-seeds``, each arm (CPI-FT, each ablation, each baseline) takes the rate with its best
+mean validation score, and each evaluation seed runs the pipeline once per chosen rate, with only the parts that
+rate serves (a study interrupted and started again reuses finished runs, which live in
+``<workdir>/<pool>-lr<rate>/seed<seed>-<parts>``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from common import (
     paired_difference,
     parser,
     seeds_of,
+    sweep_seeds_of,
     table,
     verdict,
     workdir_of,
@@ -53,34 +59,79 @@ CLAIMS = {"CPI-FT − multi-task SFT": ("cpi_ft", "multi_task_sft"),
           "CPI-FT − without freezing": ("cpi_ft", "cpi_ft_no_freezing")}
 PROBE_LR, LR = 3e-4, 1e-3
 FORGETTING = "add,reverse"
+# which arms each part of the pipeline trains (CPI-FT itself is always trained: the stages follow the probes)
+ARMS = {"cpi_ft": "", "cpi_ft_no_fusion": "ablations", "cpi_ft_no_freezing": "ablations",
+        "multi_task_sft": "baselines", "sequential_sft": "baselines"}
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     p = parser(__doc__)
     p.add_argument("--full", action="store_true", help="2x the probe and stage steps")
+    p.add_argument("--lrs", default=f"{LR:g}", help="comma-separated learning rates of the stages and the baselines "
+                   f"(default {LR:g}, fixed); with several, each arm's rate is chosen on the validation pool over "
+                   "--sweep-seeds (default: the first two seeds), and the arms run at their own rates (the probes "
+                   f"and the forgetting test stay at {PROBE_LR:g})")
     args = p.parse_args(argv)
+    try:
+        lrs = sorted({float(lr) for lr in args.lrs.split(",")})
+    except ValueError:
+        p.error(f"--lrs {args.lrs!r}: expected comma-separated numbers, e.g. 3e-4,1e-3,3e-3")
+    if min(lrs) <= 0:
+        p.error(f"--lrs {args.lrs}: every rate must be > 0")
     started = time.time()
     seeds = seeds_of(args, (0, 1, 2), smoke=(0, 1))
+    sweep_seeds = sweep_seeds_of(args, seeds) if len(lrs) > 1 else []
     start = pretrained_start("smoke" if args.smoke else "tiny")
     root = workdir_of(args, STUDY)
     scale = 2 if args.full else 1
 
-    def one_seed(seed: int) -> dict:
+    def one_run(seed: int, lr: float, pool: str, parts: set[str]) -> dict:
+        """The pipeline at one seed and stage rate, scored on ``pool``, with ``parts`` (of ablations, baselines,
+        forgetting); a finished run with more parts at the same seed, rate and pool serves as well."""
+        folder = root / f"{pool}-lr{lr:g}"
+        for done in sorted(folder.glob(f"seed{seed}-*/result.json")):
+            if parts <= set(done.parent.name.removeprefix(f"seed{seed}-").split("+")):
+                return cached_run(done, None)
+        workdir = folder / f"seed{seed}-{'+'.join(sorted(parts)) or 'cpi_ft'}"
         config = cpi_config.get_config()
         config.seed = seed
-        config.workdir = str(root / f"seed{seed}")
+        config.workdir = str(workdir)
         config.model.path, config.tokenizer = str(start), ""
-        config.optim.lr = LR
+        config.optim.lr = lr
         config.logging.update(tensorboard=False, plot=False, progress=False)
-        config.cpi.update(base_steps=0, probe_lr=PROBE_LR, stage_data="mixed", ablations=True, forgetting=FORGETTING)
+        config.cpi.update(base_steps=0, probe_lr=PROBE_LR, stage_data="mixed", eval_pool=pool,
+                          ablations="ablations" in parts, baselines="baselines" in parts,
+                          forgetting=FORGETTING if "forgetting" in parts else "")
         if args.smoke:
             config.cpi.update(train_per_task=64, eval_per_task=8, probe_steps=3, sample_per_task=16, stage_steps=2)
             config.train.batch_size = 8
         else:
             config.cpi.update(probe_steps=150 * scale, stage_steps=60 * scale, eval_per_task=100,
                               sample_per_task=300)
-        return cached_run(root / f"seed{seed}" / "result.json", lambda: run_cpi(config))
+        return cached_run(workdir / "result.json", lambda: run_cpi(config))
+
+    def mean_score(run: dict, key: str) -> float:
+        return float(np.mean([run["scores"][key][t] for t in run["tasks"]]))
+
+    sweep = {arm: {f"{lr:g}": [] for lr in lrs} for arm in ARMS}  # validation means per sweep seed
+    for lr in lrs:
+        for seed in sweep_seeds:
+            run = one_run(seed, lr, "validation", {"ablations", "baselines"})
+            for arm in ARMS:
+                sweep[arm][f"{lr:g}"].append(mean_score(run, arm))
+    chosen = {arm: max(lrs, key=lambda lr, arm=arm: np.mean(sweep[arm][f"{lr:g}"])) if sweep_seeds else lrs[0]
+              for arm in ARMS}
+
+    def one_seed(seed: int) -> dict:
+        """The seed's scores on the test pool, each arm from the run at its own rate; the probes, the fused model and
+        the forgetting test (which the stage rate does not touch) from CPI-FT's run."""
+        runs = {lr: one_run(seed, lr, "test", {part for arm, part in ARMS.items() if part and chosen[arm] == lr}
+                            | ({"forgetting"} if chosen["cpi_ft"] == lr else set()))
+                for lr in sorted(set(chosen.values()))}
+        merged = dict(runs[chosen["cpi_ft"]])
+        merged["scores"] = {**merged["scores"], **{arm: runs[chosen[arm]]["scores"][arm] for arm in ARMS}}
+        return merged
 
     per_seed = [one_seed(seed) for seed in seeds]
     tasks = per_seed[0]["tasks"]
@@ -91,7 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
     retention = {k: [r["forgetting_test"][f"after_b_{k}"][a] for r in per_seed] for k in ("plain", "core_frozen")}
     comparisons[f"{a} kept after {b}: core frozen − not"] = paired_difference(retention["core_frozen"],
                                                                                retention["plain"])
-    results = {"seeds": seeds, "start": start.name, "tasks": tasks, "probe_lr": PROBE_LR, "lr": LR,
+    results = {"seeds": seeds, "start": start.name, "tasks": tasks, "probe_lr": PROBE_LR, "lrs": lrs,
+               "sweep_seeds": sweep_seeds, "sweep": sweep if sweep_seeds else {}, "chosen": chosen,
                "settings": per_seed[0]["settings"], "means": means, "retention": retention,
                "comparisons": comparisons, "verdicts": {name: verdict(d) for name, d in comparisons.items()},
                "per_seed": per_seed}
@@ -117,13 +169,25 @@ def _markdown(results: dict) -> str:
                            ci_text([r["forgetting_test"][f"after_b_{k}"][b] for r in per_seed], 100)]
                           for k, label in (("plain", "nothing frozen"), ("core_frozen", f"{a}'s core frozen"))])
     groups = "; ".join(str(r["groups"]) for r in per_seed)
+    chosen = results["chosen"]
+    rates = ("Stage and baseline rate: " + ", ".join(f"{ROWS[arm].strip('*')} {lr:g}" for arm, lr in chosen.items())
+             + (f" (each chosen on the validation pool, mean of seeds {', '.join(map(str, results['sweep_seeds']))})."
+                if results["sweep"] else " (fixed)."))
+    sweep = ""
+    if results["sweep"]:
+        lrs = [f"{lr:g}" for lr in results["lrs"]]
+        sweep = ("\n\nLearning-rate sweep (validation exact match, mean over the four tasks and the sweep seeds, %):"
+                 "\n\n" + table(["arm", *[f"lr {lr}" for lr in lrs], "chosen"],
+                                  [[ROWS[arm].strip("*"), *[f"{100 * np.mean(results['sweep'][arm][lr]):.1f}"
+                                                            for lr in lrs], f"{chosen[arm]:g}"] for arm in chosen]))
     return (table(["model", *tasks, "mean"], rows)
             + f"\n\nHeld-out exact match, % (95 % CI over seeds {', '.join(map(str, results['seeds']))}). Groups: "
               f"{groups}. Probes {settings['probe_steps']} steps at lr {results['probe_lr']:g}; stages "
-              f"{settings['stage_steps']} steps per task at lr {results['lr']:g} on {settings['sample_per_task']} "
-              f"records of every task; baselines at the same total steps; p = {settings['fraction']}, τ = "
-              f"{settings['tau']}.\n\nThe forgetting test ({a} -> {b}, {settings['probe_steps']} steps of {b}):\n\n"
-            + forgetting + "\n\n" + differences_table(results["comparisons"], verdicts=True))
+              f"{settings['stage_steps']} steps per task on {settings['sample_per_task']} records of every task; "
+              f"baselines at the same total steps; p = {settings['fraction']}, τ = {settings['tau']}. {rates}"
+              f"\n\nThe forgetting test ({a} -> {b}, {settings['probe_steps']} steps of {b} at lr "
+              f"{results['probe_lr']:g}):\n\n" + forgetting + "\n\n"
+            + differences_table(results["comparisons"], verdicts=True) + sweep)
 
 
 def _plot(results: dict, path: str) -> None:

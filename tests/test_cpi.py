@@ -136,7 +136,31 @@ def test_pipeline_runs_end_to_end(tmp_path):
     total = sum(report["core_sizes"].values())
     assert total > 0 and len(report["jaccard"]) == 2
     assert (tmp_path / "report.md").read_text().startswith("| model | add | copy | mean |")
-    for key, value in (("cpi.stage_data", "sequential"), ("cpi.forgetting", "add,add"), ("cpi.forgetting", "add,sub")):
+    for key, value in (("cpi.stage_data", "sequential"), ("cpi.forgetting", "add,add"), ("cpi.forgetting", "add,sub"),
+                       ("cpi.eval_pool", "train")):
         bad = load_config("cpi", [f"--config.{k}={v}" for k, v in {**overrides, key: value}.items()])
         with pytest.raises(ValueError, match=key):
             run(bad)
+
+
+def test_validation_pool_is_apart_from_the_test_pool_and_the_training_data():
+    from jaxalign.cpi.pipeline import _task_data
+    from jaxalign.data.toy import pool_of
+    from jaxalign.train import load_config
+
+    def questions(pool):
+        cpi = load_config("cpi", ["--config.cpi.train_per_task=400", "--config.cpi.eval_per_task=50",
+                                  f"--config.cpi.eval_pool={pool}"]).cpi
+        train, evaluation = _task_data(cpi, seed=3)
+        asked = {t: {r["messages"][0]["content"] for r in records} for t, records in evaluation.items()}
+        trained = {r["messages"][0]["content"] for records in train.values() for r in records}
+        assert all(len(records) == 50 for records in evaluation.values())
+        assert not trained & set().union(*asked.values())  # nothing scored is trained on
+        for record in evaluation["add"]:
+            a, b = (int(x) for x in record["messages"][0]["content"].removeprefix("Add ").rstrip(".").split(" and "))
+            assert pool_of(a, "+", b) == pool
+        return asked
+
+    test, validation = questions("test"), questions("validation")
+    for task in test:
+        assert not test[task] & validation[task], task  # the two pools share no question, words included

@@ -159,3 +159,60 @@ def test_distill_kd_temperature_is_checked_before_anything_runs(options, message
     with pytest.raises(SystemExit):
         distill_toy.main(["--smoke", *options, "--workdir", str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
     assert message in capsys.readouterr().err and not (tmp_path / "runs").exists()
+
+
+def test_cpi_tunes_each_arm_on_validation_and_runs_only_the_parts_each_rate_serves(monkeypatch, tmp_path):
+    cpi_toy = importlib.import_module("cpi_toy")
+    tasks = ["add", "sub", "reverse", "copy"]
+    best = {"cpi_ft": 1e-3, "cpi_ft_no_fusion": 1e-3, "cpi_ft_no_freezing": 3e-4, "multi_task_sft": 3e-3,
+            "sequential_sft": 3e-3}
+    calls = []
+
+    def fake_pipeline(config):  # scores that peak at each arm's `best` rate on validation and say where they came from
+        cpi, lr = config.cpi, config.optim.lr
+        calls.append((config.seed, lr, cpi.eval_pool, cpi.ablations, cpi.baselines, cpi.forgetting))
+        score = lambda arm: {t: (1.0 if lr == best[arm] else 0.5) if cpi.eval_pool == "validation" else lr
+                             for t in tasks}
+        arms = ["cpi_ft"] + (["cpi_ft_no_fusion", "cpi_ft_no_freezing"] if cpi.ablations else []) + (
+            ["multi_task_sft", "sequential_sft"] if cpi.baselines else [])
+        report = {"tasks": tasks, "settings": cpi.to_dict(), "groups": [[t] for t in tasks],
+                  "scores": {"base": score("cpi_ft"), "fused": score("cpi_ft"), **{a: score(a) for a in arms},
+                             **{f"probe_{t}": score("cpi_ft") for t in tasks}}}
+        if cpi.forgetting:
+            report["forgetting_test"] = {key: score("cpi_ft") for key in ("after_a", "after_b_plain",
+                                                                         "after_b_core_frozen")}
+        return report
+
+    monkeypatch.setattr(cpi_toy, "run_cpi", fake_pipeline)
+    monkeypatch.setattr(cpi_toy, "pretrained_start", lambda shape: tmp_path / "start")
+    options = ["--lrs", "3e-4,1e-3,3e-3", "--seeds", "0,1", "--sweep-seeds", "7", "--workdir", str(tmp_path / "runs"),
+               "--out", str(tmp_path / "out")]
+    results = cpi_toy.main(options)
+    assert results["chosen"] == best
+    assert sorted(calls) == sorted(
+        [(7, lr, "validation", True, True, "") for lr in (3e-4, 1e-3, 3e-3)]
+        + [(seed, 3e-4, "test", True, False, "") for seed in (0, 1)]  # no freezing's rate: the ablations only
+        + [(seed, 1e-3, "test", True, False, "add,reverse") for seed in (0, 1)]  # CPI-FT's: also the forgetting test
+        + [(seed, 3e-3, "test", False, True, "") for seed in (0, 1)])  # the baselines'
+    for run in results["per_seed"]:  # each arm's test score comes from the run at its own rate
+        assert {arm: run["scores"][arm]["add"] for arm in best} == best
+    assert "| multi-task SFT | 50.0 | 50.0 | 100.0 | 0.003 |" in (tmp_path / "out" / "cpi_toy.md").read_text()
+    calls.clear()
+    cpi_toy.main(options)  # started again: every run is reused
+    assert calls == []
+    calls.clear()
+    cpi_toy.main(["--lrs", "1e-3", *options[2:]])  # one rate: no sweep, one run per seed with every part
+    assert calls == [(seed, 1e-3, "test", True, True, "add,reverse") for seed in (0, 1)]
+    for folder in (tmp_path / "runs" / "test-lr0.001").glob("seed*-ablations+forgetting"):
+        shutil.rmtree(folder)
+    calls.clear()
+    cpi_toy.main(options)  # a finished run with more parts at the same seed, rate and pool serves
+    assert calls == []
+
+
+@pytest.mark.parametrize("lrs, message", [("1e-3,fast", "expected comma-separated numbers"), ("0,1e-3", "must be > 0")])
+def test_cpi_learning_rates_are_checked_before_anything_runs(lrs, message, capsys, tmp_path):
+    cpi_toy = importlib.import_module("cpi_toy")
+    with pytest.raises(SystemExit):
+        cpi_toy.main(["--smoke", "--lrs", lrs, "--workdir", str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
+    assert message in capsys.readouterr().err and not (tmp_path / "runs").exists()

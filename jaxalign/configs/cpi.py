@@ -8,7 +8,8 @@ balanced sample of every task (``stage_data="mixed"``, the paper's pipelined sta
 its group's tasks only) with earlier groups' cores frozen. Baselines: multi-task SFT and sequential SFT with the same
 total steps (probes and stages). ``probe_lr`` (0: ``optim.lr``) sets the probes' rate; ``ablations`` adds CPI-FT
 without fusion (stages from θ0) and without freezing; ``forgetting="A,B"`` trains task B from task A's probe with and
-without A's core frozen and reports A's retention.
+without A's core frozen and reports A's retention. ``eval_pool`` scores every model on the toy data's "test" pool
+(default) or its "validation" pool (to choose learning rates without touching the test questions).
 """
 
 import ml_collections
@@ -28,5 +29,5 @@ def get_config(arg=None):
         tasks="add,sub,reverse,copy", train_per_task=1500, eval_per_task=100, base_data="toy:arithmetic",
         base_steps=300, probe_steps=500, fraction=0.01, tau=0.2, include_embeddings=True, include_norms=True,
         omega=0.0, sample_per_task=300, stage_steps=250, stage_data="mixed", probe_lr=0.0, baselines=True,
-        ablations=False, forgetting="", max_new_tokens=8))
+        ablations=False, forgetting="", max_new_tokens=8, eval_pool="test"))
     return config

@@ -84,8 +84,10 @@ class Trainer:
 
 def _task_data(cpi, seed: int) -> tuple[dict[str, list], dict[str, list]]:
     tasks = [t for t in cpi.tasks.split(",") if t]
-    # arithmetic questions: evaluated on the fixed test pool, trained on the train pool (jaxalign.data.toy.pool_of)
-    evaluation = multitask(cpi.eval_per_task * len(tasks), seed + 1000, tasks=tasks, pool="test")
+    # arithmetic questions: evaluated on the fixed test (or validation) pool, trained on the train pool
+    # (jaxalign.data.toy.pool_of); the words of reversal and copying are drawn apart for each pool
+    offset = {"test": 1000, "validation": 2000}[cpi.eval_pool]
+    evaluation = multitask(cpi.eval_per_task * len(tasks), seed + offset, tasks=tasks, pool=cpi.eval_pool)
     evaluation = {t: [r for r in evaluation if r["task"] == t][: cpi.eval_per_task] for t in tasks}
     held_out = {r["messages"][0]["content"] for records in evaluation.values() for r in records}
     pool = multitask(cpi.train_per_task * len(tasks), seed, tasks=tasks, pool="train")
@@ -94,11 +96,14 @@ def _task_data(cpi, seed: int) -> tuple[dict[str, list], dict[str, list]]:
 
 
 STAGE_DATA = ("mixed", "group")
+EVAL_POOLS = ("test", "validation")
 
 
 def _check(cpi, tasks: list[str]) -> None:
     if cpi.stage_data not in STAGE_DATA:
         raise ValueError(f"cpi.stage_data={cpi.stage_data!r}; expected one of {STAGE_DATA}")
+    if cpi.eval_pool not in EVAL_POOLS:
+        raise ValueError(f"cpi.eval_pool={cpi.eval_pool!r}; expected one of {EVAL_POOLS}")
     pair = [t for t in cpi.forgetting.split(",") if t]
     if cpi.forgetting and (len(pair) != 2 or pair[0] == pair[1] or not set(pair) <= set(tasks)):
         raise ValueError(f"cpi.forgetting={cpi.forgetting!r}; expected two different tasks of cpi.tasks "
