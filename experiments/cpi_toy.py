@@ -39,6 +39,7 @@ from common import (
     parser,
     seeds_of,
     sweep_seeds_of,
+    sweep_table,
     table,
     verdict,
     workdir_of,
@@ -175,11 +176,9 @@ def _markdown(results: dict) -> str:
                 if results["sweep"] else " (fixed)."))
     sweep = ""
     if results["sweep"]:
-        lrs = [f"{lr:g}" for lr in results["lrs"]]
         sweep = ("\n\nLearning-rate sweep (validation exact match, mean over the four tasks and the sweep seeds, %):"
-                 "\n\n" + table(["arm", *[f"lr {lr}" for lr in lrs], "chosen"],
-                                  [[ROWS[arm].strip("*"), *[f"{100 * np.mean(results['sweep'][arm][lr]):.1f}"
-                                                            for lr in lrs], f"{chosen[arm]:g}"] for arm in chosen]))
+                 "\n\n" + sweep_table({**results, "sizes": {"lrs": results["lrs"]}},
+                                        {arm: ROWS[arm].strip("*") for arm in chosen}))
     return (table(["model", *tasks, "mean"], rows)
             + f"\n\nHeld-out exact match, % (95 % CI over seeds {', '.join(map(str, results['seeds']))}). Groups: "
               f"{groups}. Probes {settings['probe_steps']} steps at lr {results['probe_lr']:g}; stages "
