@@ -7,7 +7,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("cpi", "data", "losses", "models", "objectives", "parallel", "sampling", "train")
+_SUBPACKAGES = ("compilation_cache", "cpi", "data", "losses", "models", "objectives", "parallel", "sampling", "train")
 
 
 def __getattr__(name: str):

@@ -238,6 +238,9 @@ def cmd_train(args) -> int:
     if config.lora.enabled:
         print(f"{'':16s} (adapters merged into the weights; add --adapter for a PEFT adapter folder)")
     print(f"took {summary['seconds']:.0f}s; {summary['skipped_updates']} updates skipped by the NaN guard")
+    from jaxalign import compilation_cache
+
+    print(f"{'compile cache':16s} {compilation_cache.summary(getattr(args, 'compilation_cache', None))}")
     return 0
 
 
@@ -530,11 +533,13 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = rest
     else:
         args = parser.parse_args(argv)
+    from jaxalign import compilation_cache
     from jaxalign.models import CheckpointError
     from jaxalign.train.checkpoints import CheckpointWriteError, NoGoodCheckpoint, RunFolderError
     from jaxalign.train.loop import TrainingHalted
 
     try:
+        args.compilation_cache = compilation_cache.enable()
         return args.func(args)
     except (CheckpointError, FileNotFoundError, ValueError, TrainingHalted, RunFolderError, NoGoodCheckpoint,
             CheckpointWriteError) as err:
