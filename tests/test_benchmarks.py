@@ -91,6 +91,18 @@ def test_scan_layers_benchmark_smoke_compares_both_arms():
 
 
 @pytest.mark.slow
+def test_compile_cache_benchmark_smoke_reads_programs_back(tmp_path):
+    done = subprocess.run([sys.executable, "benchmarks/compile_cache.py", "--smoke", "--out", str(tmp_path / "r.json")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert row["off"]["summary"].startswith("off") and row["entries"] >= 1
+    cold = row["cold"]["summary"]
+    assert cold.startswith("0 program(s) read back") and cold.endswith(f" {row['entries']} written"), cold
+    assert row["warm"]["summary"].startswith(f"{row['entries']} program(s) read back")
+
+
+@pytest.mark.slow
 def test_decode_benchmark_smoke_measures_every_arm(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     done = subprocess.run([sys.executable, "benchmarks/decode.py", "--smoke", "--profile", "--out", str(tmp_path)],
