@@ -1,13 +1,14 @@
 """What the CLI's persistent compilation cache saves: each job run three times in fresh processes, one after the other.
 
-    python benchmarks/compile_cache.py            # about 5 minutes on 2 CPU cores
+    python benchmarks/compile_cache.py            # about 10 minutes on 2 CPU cores
     python benchmarks/compile_cache.py --smoke    # a tiny training job only: checks the script
 
 For each job: (1) the cache off (``JAXALIGN_COMPILATION_CACHE=off``), (2) a cold run into an empty cache folder,
 (3) a warm run reading that folder. Wall seconds of the whole command (start-up, loading, compilation, the work
 itself) and, for ``jaxalign train``, its own summary line (programs read back, compile seconds saved, written).
-Jobs: the default job (``jaxalign train``, shortened to 20 steps: the same programs as the full job) and greedy
-``jaxalign generate`` on the bundled SmolLM2-135M (32 new tokens).
+Jobs: the default job (``jaxalign train``, shortened to 20 steps: the same programs as the full job), SFT on the
+bundled SmolLM2-135M (``--config sft:smollm2``, 2 steps, its eval and final checkpoint) and greedy
+``jaxalign generate`` on SmolLM2-135M (32 new tokens). ``--jobs smollm2,generate`` picks some.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def jobs(smoke: bool) -> dict[str, list[str]]:
         return {"train (tiny, 4 steps)": [*cli, "train", "--config", "sft", *SMALL]}
     return {"train: the default job, 20 steps": [*cli, "train", "--config.train.steps=20",
                                                  "--config.logging.tensorboard=False"],
+            "train: SFT on SmolLM2-135M, 2 steps": [*cli, "train", "--config", "sft:smollm2", "--config.train.steps=2",
+                                                    "--config.eval.generate=8", "--config.eval.batches=1",
+                                                    "--config.logging.tensorboard=False"],
             "generate: SmolLM2-135M, 32 tokens": [*cli, "generate", "--prompt", "What is the capital of France?",
                                                   "--max-new-tokens", "32"]}
 
@@ -62,10 +66,13 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default="", help="write the JSON here as well")
+    p.add_argument("--jobs", default="", help="only the jobs whose name contains one of these comma-separated words")
     args = p.parse_args(argv)
+    chosen = {name: command for name, command in jobs(args.smoke).items()
+              if not args.jobs or any(word in name for word in args.jobs.split(","))}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, command in jobs(args.smoke).items():
+        for name, command in chosen.items():
             cache = Path(tmp) / f"cache-{len(rows)}"
             row = {"job": name}
             for arm, setting in (("off", "off"), ("cold", str(cache)), ("warm", str(cache))):
