@@ -8,7 +8,7 @@ compiles anything; the Python API leaves JAX's setting alone, so call ``enable()
 Where the cache lives, first match wins:
 
 * ``JAXALIGN_COMPILATION_CACHE=off`` (or ``0``, ``false``, ``none``): no cache;
-* ``JAXALIGN_COMPILATION_CACHE=PATH``: that folder;
+* ``JAXALIGN_COMPILATION_CACHE=PATH``: that folder, or a bucket URL (``gs://...``, with ``etils[epath]``);
 * ``JAX_COMPILATION_CACHE_DIR`` (JAX's own variable) or a folder already set with ``jax.config``: left as it is;
 * otherwise ``~/.cache/jaxalign/compilation`` (``$XDG_CACHE_HOME/jaxalign/compilation`` where that is set).
 
@@ -68,10 +68,14 @@ def _checked_cache_class():
                 return None
             value = unseal(stored)
             if value is None:
-                entry = Path(self._base._path) / f"{key}-cache"
+                entry = self._base._path / f"{key}-cache"  # a pathlib or an epath (bucket) path
+                try:
+                    entry.unlink(missing_ok=True)
+                    removed = "removed"
+                except OSError as err:
+                    removed = f"not removed ({err})"
                 warnings.warn(f"compilation cache: {entry} failed its SHA-256 check (truncated, altered or not "
-                              "written by jaxalign); removed, the program is compiled again", stacklevel=2)
-                entry.unlink(missing_ok=True)
+                              f"written by jaxalign); {removed}, the program is compiled again", stacklevel=2)
             return value
 
         def put(self, key: str, value: bytes) -> None:
@@ -138,7 +142,7 @@ def stats() -> dict:
     return dict(_STATS)
 
 
-def summary(folder: Path | None) -> str:
+def summary(folder: Path | str | None) -> str:
     """One line for the end of a run: where the cache is and what it did."""
     if folder is None:
         return "off (JAXALIGN_COMPILATION_CACHE=off, or its folder was not usable)"
@@ -147,7 +151,7 @@ def summary(folder: Path | None) -> str:
             f"{s['written']} written")
 
 
-def enable(path: str | os.PathLike | None = None) -> Path | None:
+def enable(path: str | os.PathLike | None = None) -> Path | str | None:
     """Turn JAX's persistent compilation cache on; returns its folder, or ``None`` where it stays off.
 
     ``path`` overrides the environment (see the module's docstring). Call it before the first compilation: JAX sets
@@ -162,6 +166,11 @@ def enable(path: str | os.PathLike | None = None) -> Path | None:
         existing = jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
         if existing:
             return Path(existing)
+    if "://" in setting:  # a shared bucket (gs://..., JAX opens it with etils[epath]); JAX checks it at first use
+        _install_checks()
+        jax.config.update("jax_compilation_cache_dir", setting)
+        jax.config.update("jax_compilation_cache_max_size", _max_bytes())
+        return setting
     folder = Path(setting).expanduser() if setting else default_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -171,6 +180,14 @@ def enable(path: str | os.PathLike | None = None) -> Path | None:
         warnings.warn(f"compilation cache off: cannot use {folder} ({err}); set JAXALIGN_COMPILATION_CACHE to a "
                       "writable folder, or to 'off'", stacklevel=2)
         return None
+    max_bytes = _max_bytes()
+    _install_checks()
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_compilation_cache_max_size", max_bytes)
+    return folder
+
+
+def _max_bytes() -> int:
     try:
         gb = float(os.environ.get("JAXALIGN_COMPILATION_CACHE_GB", DEFAULT_GB))
     except ValueError as err:
@@ -179,7 +196,4 @@ def enable(path: str | os.PathLike | None = None) -> Path | None:
     if gb <= 0:
         raise ValueError(f"JAXALIGN_COMPILATION_CACHE_GB={gb} must be above 0 (JAXALIGN_COMPILATION_CACHE=off turns "
                          "the cache off)")
-    _install_checks()
-    jax.config.update("jax_compilation_cache_dir", str(folder))
-    jax.config.update("jax_compilation_cache_max_size", int(gb * 2**30))
-    return folder
+    return int(gb * 2**30)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 from test_train import SMALL
 
@@ -108,6 +109,14 @@ def test_settings(tmp_path, monkeypatch):
                            "print(c.enable(), jax.config.jax_compilation_cache_dir)"], capture_output=True, text=True,
                           timeout=120, env=clean_env(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax-own")))
     assert said.stdout.split() == [str(tmp_path / "jax-own")] * 2, said.stderr[-2000:]
+    # a bucket URL goes to JAX as it is (no local folder made of it)
+    monkeypatch.delenv("JAXALIGN_COMPILATION_CACHE_GB")
+    calls = []
+    monkeypatch.setattr(compilation_cache, "_install_checks", lambda: calls.append("checks"))
+    monkeypatch.setattr(jax.config, "update", lambda name, value: calls.append((name, value)))
+    assert compilation_cache.enable("gs://bucket/cache") == "gs://bucket/cache"
+    assert calls == ["checks", ("jax_compilation_cache_dir", "gs://bucket/cache"),
+                     ("jax_compilation_cache_max_size", int(compilation_cache.DEFAULT_GB * 2**30))]
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert compilation_cache.default_dir() == tmp_path / "xdg" / "jaxalign" / "compilation"
 
