@@ -200,11 +200,18 @@ def sweep_summary(tuned: dict) -> dict:
 
 
 def sweep_table(results: dict, labels: dict) -> str:
-    """The learning-rate sweep as a Markdown table: mean validation score (%) per arm and rate, and the choice."""
+    """The learning-rate sweep as a Markdown table: mean validation score (%) per arm and rate, and the choice
+    (``sizes["lrs"]``: one grid for every arm, or ``{arm: grid}``; a rate outside an arm's grid shows "-")."""
     lrs = results["sizes"]["lrs"]
-    return table(["arm", *[f"lr {lr:g}" for lr in lrs], "chosen"],
-                 [[labels[arm], *[f"{100 * np.mean(results['sweep'][arm][f'{lr:g}']):.1f}" for lr in lrs],
-                   f"{results['chosen'][arm]:g}"] for arm in results["chosen"]])
+    every = sorted({lr for grid in lrs.values() for lr in grid}) if isinstance(lrs, dict) else lrs
+
+    def cell(arm, lr):
+        scores = results["sweep"][arm].get(f"{lr:g}")
+        return "-" if scores is None else f"{100 * np.mean(scores):.1f}"
+
+    return table(["arm", *[f"lr {lr:g}" for lr in every], "chosen"],
+                 [[labels[arm], *[cell(arm, lr) for lr in every], f"{results['chosen'][arm]:g}"]
+                  for arm in results["chosen"]])
 
 
 def _recording(run_one, every: list):

@@ -29,23 +29,33 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
+    cached_run,
+    ci_text,
     command_line,
     differences_table,
     paired_difference,
     parser,
     pm,
+    runs_note,
     seeds_of,
+    sweep_seeds_of,
+    sweep_summary,
+    sweep_table,
     t_interval,
     table,
+    toy_config,
+    tuned_arms,
     verdict,
     workdir_of,
     write,
 )
+from pretrained import pretrained_start
 
 from jaxalign.data.sources import read_records
+from jaxalign.data.toy import arithmetic, arithmetic_pool, write_jsonl
 from jaxalign.train import load_config, train
 from jaxalign.train.evaluate import extract_answer, greedy_answers, prompt_of
-from jaxalign.train.export import restore_model
+from jaxalign.train.export import export, restore_model
 
 SMOKE = ["--config.objective.params.sft_steps=20", "--config.train.steps=4", "--config.train.eval_every=2",
          "--config.eval.generate=16", "--config.objective.params.prompts_per_step=4",
@@ -59,7 +69,11 @@ def evaluations(workdir: Path) -> list[dict]:
 def answer_styles(workdir: Path, eval_file: Path, max_new_tokens: int = 8) -> dict:
     """Share of held-out greedy answers in the short style (a bare number) and the exact match among them."""
     model, tokenizer, _ = restore_model(workdir)
-    records = [r for _, r in read_records(eval_file)]
+    return styles_of(model, tokenizer, [r for _, r in read_records(eval_file)], max_new_tokens)
+
+
+def styles_of(model, tokenizer, records: list[dict], max_new_tokens: int = 8) -> dict:
+    """``answer_styles`` for a loaded model and records: exact match, short-style share, exact match among short."""
     texts = [t.strip() for t in greedy_answers(model, tokenizer, [prompt_of(r) for r in records],
                                                max_new_tokens=max_new_tokens)]
     short = [t.lstrip("-").isdigit() for t in texts]
@@ -94,12 +108,151 @@ def plot(runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+TUNED_ARMS = ("grpo", "sft", "sft_short")
+TUNED_LABELS = {"grpo": "GRPO", "sft": "matched SFT (both styles)", "sft_short": "SFT on short answers only"}
+TUNED_LRS = {"grpo": (5e-5, 1.5e-4, 5e-4), "sft": (1e-4, 3e-4, 1e-3), "sft_short": (1e-4, 3e-4, 1e-3)}
+START_LR = 1e-3  # the SFT start's rate (the rate SFT chose from the pretrained start in the SFT vs IFT study)
+
+
+def tuned_study(args, argv: list[str], started: float) -> dict:
+    """The fair-test version (``--tuned``): the shared pretrained start, one SFT start from it on mixed-style answers
+    of the train pool, then three arms from that start at equal steps (GRPO; SFT on the same mixed data; SFT on the
+    same questions' short answers, the style ablation), each arm's rate chosen on the validation pool
+    (``--sweep-seeds``), scored on the whole test pool (greedy, 8 new tokens: GRPO's completion budget)."""
+    if args.smoke:
+        sizes = dict(shape="smoke", train=200, start_steps=10, steps=3, prompts=4, validation=16, test=16,
+                     lrs={arm: (1e-3, 3e-3) for arm in TUNED_ARMS})
+    else:
+        sizes = dict(shape="tiny", train=4000, start_steps=300, steps=150, prompts=16, validation=0, test=0,
+                     lrs=TUNED_LRS)
+    generations = 8
+    seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
+    sweep_seeds = sweep_seeds_of(args, seeds)
+    pretrained = pretrained_start(sizes["shape"])
+    root = workdir_of(args, "grpo_toy_tuned")
+    validation = arithmetic_pool("validation")[: sizes["validation"] or None]
+    test = arithmetic_pool("test")[: sizes["test"] or None]
+
+    def data(seed: int, style: str) -> Path:
+        """The seed's training questions (train pool) with ``style`` answers: the same questions in either style."""
+        path = root / "data" / f"train_{style}_seed{seed}.jsonl"
+        if not path.exists():
+            write_jsonl(arithmetic(sizes["train"], seed, style=style, pool="train"), path)
+        return path
+
+    def scores(workdir: Path) -> dict:
+        model, tokenizer, _ = restore_model(workdir)
+        valid, tested = styles_of(model, tokenizer, validation), styles_of(model, tokenizer, test)
+        return {"validation": valid["accuracy"], "test": tested["accuracy"], "test_styles": tested}
+
+    def make_start() -> dict:
+        folder = root / "sft_start"
+        config = toy_config(folder / "run", data(0, "mixed"), steps=sizes["start_steps"], seed=0, lr=START_LR,
+                            shape=sizes["shape"], start=pretrained)
+        begun = time.time()
+        train(config)
+        export(folder / "run", folder / "hf")
+        return {**scores(folder / "run"), "seconds": round(time.time() - begun, 1)}
+
+    start_record = cached_run(root / "sft_start" / "result.json", make_start)
+    start = root / "sft_start" / "hf"
+
+    def run_one(arm: str, lr: float, seed: int) -> dict:
+        workdir = root / f"seed{seed}" / arm / f"lr{lr:g}"
+
+        def fit() -> dict:
+            batch = sizes["prompts"] * generations  # GRPO's completions per step = the SFT arms' sequences per step
+            if arm == "grpo":
+                config = load_config("grpo", [
+                    f"--config.seed={seed}", f"--config.workdir={workdir}", f"--config.model.path={start}",
+                    "--config.tokenizer=", f"--config.data.train={data(seed, 'mixed')}", "--config.data.eval=",
+                    "--config.eval.generate=0", "--config.train.eval_every=0", "--config.objective.params.sft_steps=0",
+                    f"--config.objective.params.prompts_per_step={sizes['prompts']}",
+                    f"--config.objective.params.num_generations={generations}",
+                    f"--config.train.batch_size={batch}", f"--config.train.steps={sizes['steps']}",
+                    f"--config.train.save_every={sizes['steps']}", "--config.train.keep_checkpoints=1",
+                    f"--config.optim.lr={lr}", "--config.logging.progress=False", "--config.logging.plot=False",
+                    "--config.logging.tensorboard=False"])
+            else:
+                config = toy_config(workdir, data(seed, "mixed" if arm == "sft" else "short"), steps=sizes["steps"],
+                                    seed=seed, batch_size=batch, lr=lr, shape=sizes["shape"], start=start)
+                config.optim.update(schedule="constant", warmup_steps=0)  # as the GRPO config
+            begun = time.time()
+            train(config)
+            return {"arm": arm, "lr": lr, "seed": seed, **scores(workdir), "seconds": round(time.time() - begun, 1)}
+
+        return cached_run(workdir / "result.json", fit)
+
+    tuned = tuned_arms(TUNED_ARMS, sizes["lrs"], seeds, sweep_seeds, run_one)
+    tests = {arm: [r["test"] for r in tuned["runs"][arm]] for arm in TUNED_ARMS}
+    comparisons = {"GRPO − matched SFT": paired_difference(tests["grpo"], tests["sft"]),
+                   "GRPO − SFT on short answers (the style ablation)": paired_difference(tests["grpo"],
+                                                                                        tests["sft_short"]),
+                   "GRPO − the SFT start": paired_difference(tests["grpo"], [start_record["test"]] * len(seeds))}
+    results = {"sizes": {**sizes, "lrs": {a: list(v) for a, v in sizes["lrs"].items()},
+                         "validation": len(validation), "test": len(test), "generations": generations},
+               "seeds": seeds, "sweep_seeds": sweep_seeds, "pretrained": pretrained.name, "start": start_record,
+               "chosen": tuned["chosen"], "sweep": sweep_summary(tuned), "runs": tuned["runs"],
+               "comparisons": comparisons, "verdicts": {name: verdict(d) for name, d in comparisons.items()}}
+
+    def style_cells(runs: list[dict]) -> list[str]:
+        return [pm([r["test_styles"]["short_share"] for r in runs], 100),
+                pm([r["test_styles"]["short_accuracy"] for r in runs], 100)]
+
+    rows = [["the SFT start", "-", f"{100 * start_record['test']:.1f}", "-",
+             f"{100 * start_record['test_styles']['short_share']:.1f}",
+             f"{100 * start_record['test_styles']['short_accuracy']:.1f}"]]
+    for arm in TUNED_ARMS:
+        runs = tuned["runs"][arm]
+        rows.append([TUNED_LABELS[arm], f"{tuned['chosen'][arm]:g}", ci_text(tests[arm], 100),
+                     ", ".join(f"{100 * v:.1f}" for v in tests[arm]), *style_cells(runs)])
+    text = (f"Test pool ({len(test)} questions, greedy, 8 new tokens), seeds {', '.join(map(str, seeds))}; the SFT "
+            f"start: the pretrained start `{pretrained.name}` + {sizes['start_steps']} SFT steps on mixed-style "
+            f"answers; each arm {sizes['steps']} steps of {sizes['prompts'] * generations} sequences from it.\n\n")
+    text += table(["arm", "learning rate", "test exact match, % (95 % CI)", "per seed, %", "short-style answers, %",
+                   "exact match among short, %"], rows)
+    text += "\n\n" + differences_table(comparisons, verdicts=True)
+    text += (f"\n\nLearning-rate sweep (validation exact match %, mean of seeds {sweep_seeds}, {len(validation)} "
+             "questions):\n\n" + sweep_table(results, TUNED_LABELS) + "\n\n" + runs_note(tuned["every"]))
+    write(args.out, "grpo_toy_tuned", command=command_line("grpo_toy", argv), results=results, markdown=text,
+          started=started)
+    plot_tuned(results, Path(args.out) / "grpo_toy_tuned.png")
+    return results
+
+
+def plot_tuned(results: dict, path: Path) -> None:
+    """Test exact match per arm (a bar: the mean; dots: the seeds) against the SFT start (a line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3))
+    for i, arm in enumerate(TUNED_ARMS):
+        values = [100 * r["test"] for r in results["runs"][arm]]
+        ax.bar(i, np.mean(values), color="0.8")
+        ax.scatter([i] * len(values), values, color="k", s=10, zorder=3)
+    ax.axhline(100 * results["start"]["test"], color="tab:red", linestyle="--", label="the SFT start")
+    ax.set_xticks(range(len(TUNED_ARMS)), [f"{TUNED_LABELS[a]}\nlr {results['chosen'][a]:g}" for a in TUNED_ARMS],
+                  fontsize=7)
+    ax.set_ylabel("test exact match, %")
+    ax.set_title("GRPO against SFT from one start, each arm's rate tuned", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parser(__doc__)
     args.add_argument("--baseline", action="store_true", help="also the matched SFT-continuation arm")
+    args.add_argument("--tuned", action="store_true", help="the fair-test version: the shared pretrained start, a "
+                      "style-ablation arm, each arm's rate tuned on the validation pool (docs/results.md)")
     args = args.parse_args(argv)
     started = time.time()
+    if args.tuned:
+        return tuned_study(args, argv, started)
     root = workdir_of(args, "grpo_toy")
     seeds = seeds_of(args, (0, 1, 2, 3, 4))
     runs = []

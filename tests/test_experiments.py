@@ -104,6 +104,27 @@ def test_smollm2_study_resumes_from_its_records_after_the_run_folders_are_gone(t
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_grpo_tuned_runs_every_arm_from_one_sft_start(tmp_path):
+    run_at_smoke_size("grpo_toy", tmp_path, "--tuned")
+    results = json.loads((tmp_path / "out" / "grpo_toy_tuned.json").read_text())["results"]
+    assert set(results["chosen"]) == {"grpo", "sft", "sft_short"} and results["sweep_seeds"] == [0, 1]
+    assert list(results["verdicts"]) == ["GRPO − matched SFT", "GRPO − SFT on short answers (the style ablation)",
+                                         "GRPO − the SFT start"]
+    start = tmp_path / "runs" / "sft_start" / "hf"
+    configs = sorted((tmp_path / "runs").glob("seed*/*/lr*/config.json"))
+    assert len(configs) == 12  # 3 arms x 2 rates x 2 sweep seeds
+    for path in configs:
+        config = json.loads(path.read_text())
+        assert config["model"]["path"] == str(start), path
+        style = "short" if path.parts[-3] == "sft_short" else "mixed"
+        assert config["data"]["train"].endswith(f"train_{style}_seed{path.parts[-4].removeprefix('seed')}.jsonl")
+    for arm in ("sft", "sft_short"):  # the SFT arms see as many sequences per step as GRPO has completions
+        config = json.loads(next((tmp_path / "runs").glob(f"seed0/{arm}/lr*/config.json")).read_text())
+        assert config["train"]["batch_size"] == 4 * 8 and config["optim"]["schedule"] == "constant"
+    assert (tmp_path / "out" / "grpo_toy_tuned.png").exists()
+
+
 def test_sater_stage_one_only_tests_the_stage_one_claims_alone(tmp_path):
     run_at_smoke_size("sater_toy", tmp_path, "--stage-one-only")
     results = json.loads((tmp_path / "out" / "sater_toy.json").read_text())["results"]
