@@ -16,6 +16,8 @@ among those.
     python experiments/grpo_toy.py                 # 5 seeds (about 30 minutes on 2 cores), docs/results/grpo_toy.*
     python experiments/grpo_toy.py --baseline      # and the matched SFT arm (about 6 minutes more)
     python experiments/grpo_toy.py --smoke         # seconds: checks the script
+    python experiments/grpo_toy.py --tuned         # the fair-test version (docs/results.md): the shared pretrained
+                                                   # start, a short-answer SFT ablation, each arm's rate tuned
 """
 
 from __future__ import annotations
