@@ -23,7 +23,9 @@ What it measures, all in float32:
    .generate`` against transformers ``generate(do_sample=False)`` on the same random weights (``save_hf``, then
    ``from_pretrained``), and whether both choose the same tokens.
 5. ``--extras`` (default all three, after the rows above): ``bandwidth``, the machine's memory bandwidth
-   (``benchmarks/decode.py``'s passes over a 1 GiB array: jitted sum, jitted matrix-vector product, numpy copy);
+   (``benchmarks/decode.py``'s passes over a 1 GiB array: jitted sum, jitted matrix-vector product, numpy copy),
+   and the greedy decoding rows of 4. as a fraction of its best read rate (``decode_fraction``: decode steps per
+   second times the bytes a step reads at least, every weight once and the KV cache at its final length);
    ``grpo``, a GRPO step (rollout + update) of jaxalign against TRL's ``GRPOTrainer`` at the 4x256, V 4,096 shape
    (``benchmarks/grpo_cpu.py``); ``shared-prefix``, shared-prefix DPO against packing and padding on the
    prompt-heavy set (``benchmarks/packed_preference.py``) and the shared-prefix GRPO step against repeated
@@ -70,6 +72,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from model_gpu import SHAPES as GPU_SHAPES
 from train_step import SHAPES as STEP_SHAPES
 from train_step import matmul_peak, train_setup
@@ -243,6 +246,9 @@ def jax_sampling(config: LlamaConfig, batches, prompt_len: int, new: int, reps: 
     """Greedy ``generate`` timings per batch size; the model is saved to ``folder`` for transformers."""
     model = create_model(config, seed=0)
     save_hf(model, folder)
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+    cache_bytes_per_row = (2 * config.num_layers * config.num_kv_heads * (prompt_len + new) * config.head_dim
+                           * jnp.dtype(config.dtype).itemsize)
     rows = []
     for batch in batches:
         prompts = np.random.default_rng(batch).integers(3, config.vocab_size, (batch, prompt_len))
@@ -257,6 +263,8 @@ def jax_sampling(config: LlamaConfig, batches, prompt_len: int, new: int, reps: 
         seconds = float(np.median(times))
         rows.append({"side": "jaxalign", "batch": batch, "prompt_len": prompt_len, "new_tokens": new,
                      "seconds": seconds, "first_call_s": first_s, "tokens_per_s": batch * new / seconds,
+                     # bytes a decode step reads at least: every weight once, and the KV cache at its final length
+                     "step_bytes": int(weight_bytes + batch * cache_bytes_per_row),
                      "prompts": prompts.tolist(), "tokens": tokens.tolist()})
     return rows
 
@@ -569,6 +577,22 @@ def run_extras(extras: list[str], smoke: bool, python: str | None, peak: float) 
     return out
 
 
+def decode_against_bandwidth(result: dict) -> list[dict]:
+    """jaxalign's greedy decoding rows as a fraction of the measured bandwidth limit: decode steps per second times
+    the bytes a step reads at least, over the best read rate of the same invocation."""
+    if "bandwidth" not in result:
+        return []
+    rows = []
+    for r in result.get("sampling") or []:
+        if r.get("side") == "jaxalign" and "step_bytes" in r:
+            steps_per_s = r["tokens_per_s"] / r["batch"]
+            read_gbs = steps_per_s * r["step_bytes"] / 1e9
+            rows.append({"batch": r["batch"], "steps_per_s": steps_per_s, "step_bytes": r["step_bytes"],
+                         "read_gbs": read_gbs, "fraction": read_gbs / result["bandwidth"]["limit_gbs"]})
+    result["decode_fraction"] = rows
+    return rows
+
+
 def extras_markdown(result: dict) -> list[str]:
     lines = []
     if "bandwidth" in result:
@@ -577,6 +601,11 @@ def extras_markdown(result: dict) -> list[str]:
                       f"{rates['jax_sum_read_gbs']:.1f} GB/s, jitted matrix-vector product "
                       f"{rates['jax_matvec_read_gbs']:.1f} GB/s, numpy copy {rates['numpy_copy_read_write_gbs']:.1f} "
                       "GB/s read + write."]
+        for row in result.get("decode_fraction", []):
+            lines.append(f"Greedy decoding at batch {row['batch']}: {row['steps_per_s']:.1f} steps/s x "
+                         f"{row['step_bytes'] / 1e6:.1f} MB per step = {row['read_gbs']:.1f} GB/s, "
+                         f"**{100 * row['fraction']:.0f} % of the measured limit** ({rates['limit_gbs']:.1f} GB/s; "
+                         "the bytes count every weight once and the KV cache at its final length, a lower bound).")
     if "grpo" in result:
         rows = {r["side"]: r for r in result["grpo"]["rows"]}
         lines += ["", f"**GRPO step, {result['grpo']['shape']}** ({result['grpo']['run']['prompts']} prompts x "
@@ -620,6 +649,7 @@ def finish(result: dict) -> None:
             ours["matching_prefix"] = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
                                        for x, y in zip(ours["tokens"], theirs["tokens"], strict=True)]
     result["targets"] = targets(result["train"], result["sampling"], result["shapes"])
+    decode_against_bandwidth(result)
 
 
 if __name__ == "__main__":

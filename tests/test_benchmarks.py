@@ -54,6 +54,11 @@ def test_cpu_benchmark_smoke_writes_every_row(tmp_path):
     # the extras: bandwidth, the GRPO step, the shared-prefix rows (their losses equal the unshared ones)
     assert 0 < result["bandwidth"]["limit_gbs"] == max(result["bandwidth"]["jax_sum_read_gbs"],
                                                        result["bandwidth"]["jax_matvec_read_gbs"])
+    fractions = {r["batch"]: r for r in result["decode_fraction"]}  # decoding against that limit
+    assert set(fractions) == {1, 8} and all(r["fraction"] > 0 for r in fractions.values())
+    assert fractions[1]["read_gbs"] == pytest.approx(sampling[1]["tokens_per_s"] * sampling[1]["step_bytes"] / 1e9)
+    assert fractions[8]["step_bytes"] > fractions[1]["step_bytes"]  # eight rows of KV cache
+    assert "% of the measured limit**" in done.stdout
     grpo, shared = result["grpo"]["rows"]
     assert (grpo["side"], shared["side"]) == ("jax", "jax-shared")
     assert grpo["step_s"] == pytest.approx(grpo["rollout_s"] + grpo["train_s"], rel=0.5)
