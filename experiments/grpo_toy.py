@@ -158,6 +158,13 @@ def tuned_study(args, argv: list[str], started: float) -> dict:
 
     start_record = cached_run(root / "sft_start" / "result.json", make_start)
     start = root / "sft_start" / "hf"
+    if not (start / "config.json").exists():  # its record kept without the model (docs/results/...): train it again
+        again = make_start()
+        if (again["validation"], again["test"]) != (start_record["validation"], start_record["test"]):
+            raise SystemExit(f"{root / 'sft_start'}: trained again, the SFT start scores {again['validation']:.4f} / "
+                             f"{again['test']:.4f} (validation / test) where its record says "
+                             f"{start_record['validation']:.4f} / {start_record['test']:.4f}; not the same start, so "
+                             "the recorded runs cannot be continued from it")
 
     def run_one(arm: str, lr: float, seed: int) -> dict:
         workdir = root / f"seed{seed}" / arm / f"lr{lr:g}"

@@ -123,6 +123,13 @@ def test_grpo_tuned_runs_every_arm_from_one_sft_start(tmp_path):
         config = json.loads(next((tmp_path / "runs").glob(f"seed0/{arm}/lr*/config.json")).read_text())
         assert config["train"]["batch_size"] == 4 * 8 and config["optim"]["schedule"] == "constant"
     assert (tmp_path / "out" / "grpo_toy_tuned.png").exists()
+    # the published records hold no model: one more seed trains the SFT start again, which must score as recorded
+    shutil.rmtree(start.parent / "hf")
+    shutil.rmtree(start.parent / "run")
+    run_at_smoke_size("grpo_toy", tmp_path, "--tuned", "--seeds", "0,1,2")
+    again = json.loads((tmp_path / "out" / "grpo_toy_tuned.json").read_text())["results"]
+    assert again["start"] == results["start"] and (start / "config.json").exists()
+    assert [r["test"] for r in again["runs"]["grpo"][:2]] == [r["test"] for r in results["runs"]["grpo"]]
 
 
 def test_sater_stage_one_only_tests_the_stage_one_claims_alone(tmp_path):
