@@ -165,7 +165,7 @@ def enable(path: str | os.PathLike | None = None) -> Path | str | None:
     if not setting:
         existing = jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
         if existing:
-            return Path(existing)
+            return existing if "://" in existing else Path(existing)
     if "://" in setting:  # a shared bucket (gs://..., JAX opens it with etils[epath]); JAX checks it at first use
         _install_checks()
         jax.config.update("jax_compilation_cache_dir", setting)
