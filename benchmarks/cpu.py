@@ -72,7 +72,6 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from model_gpu import SHAPES as GPU_SHAPES
 from train_step import SHAPES as STEP_SHAPES
 from train_step import matmul_peak, train_setup
@@ -244,11 +243,10 @@ def jax_train_row(shape_name: str, shape: Shape, name: str, chunk: int, peak_gfl
 
 def jax_sampling(config: LlamaConfig, batches, prompt_len: int, new: int, reps: int, folder: Path) -> list[dict]:
     """Greedy ``generate`` timings per batch size; the model is saved to ``folder`` for transformers."""
+    from decode import step_bytes
+
     model = create_model(config, seed=0)
     save_hf(model, folder)
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
-    cache_bytes_per_row = (2 * config.num_layers * config.num_kv_heads * (prompt_len + new) * config.head_dim
-                           * jnp.dtype(config.dtype).itemsize)
     rows = []
     for batch in batches:
         prompts = np.random.default_rng(batch).integers(3, config.vocab_size, (batch, prompt_len))
@@ -264,7 +262,7 @@ def jax_sampling(config: LlamaConfig, batches, prompt_len: int, new: int, reps: 
         rows.append({"side": "jaxalign", "batch": batch, "prompt_len": prompt_len, "new_tokens": new,
                      "seconds": seconds, "first_call_s": first_s, "tokens_per_s": batch * new / seconds,
                      # bytes a decode step reads at least: every weight once, and the KV cache at its final length
-                     "step_bytes": int(weight_bytes + batch * cache_bytes_per_row),
+                     "step_bytes": step_bytes(model, batch, prompt_len + new),
                      "prompts": prompts.tolist(), "tokens": tokens.tolist()})
     return rows
 

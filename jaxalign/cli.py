@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from jaxalign import compilation_cache
+
 # transformers' "PyTorch was not found" advice on every command: jaxalign needs only its tokenizers and configs
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
@@ -238,8 +240,6 @@ def cmd_train(args) -> int:
     if config.lora.enabled:
         print(f"{'':16s} (adapters merged into the weights; add --adapter for a PEFT adapter folder)")
     print(f"took {summary['seconds']:.0f}s; {summary['skipped_updates']} updates skipped by the NaN guard")
-    from jaxalign import compilation_cache
-
     print(f"{'compile cache':16s} {compilation_cache.summary(getattr(args, 'compilation_cache', None))}")
     return 0
 
@@ -533,7 +533,6 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = rest
     else:
         args = parser.parse_args(argv)
-    from jaxalign import compilation_cache
     from jaxalign.models import CheckpointError
     from jaxalign.train.checkpoints import CheckpointWriteError, NoGoodCheckpoint, RunFolderError
     from jaxalign.train.loop import TrainingHalted
