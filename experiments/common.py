@@ -19,11 +19,16 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO))
 
+from jaxalign import compilation_cache  # noqa: E402
 from jaxalign.configs import base  # noqa: E402
 from jaxalign.data.tokenize import as_tokenizer  # noqa: E402
 from jaxalign.train import train  # noqa: E402
 from jaxalign.train.export import restore_model  # noqa: E402
 from jaxalign.train.writers import atomic_write  # noqa: E402
+
+# the persistent compilation cache, as the CLI has it (docs/training.md): a study's runs share their shapes, so
+# every run after the first reads its programs back (JAXALIGN_COMPILATION_CACHE=off turns it off)
+compilation_cache.enable()
 
 # model shapes: the bundled tiny preset, a smaller "small" model, and the one-layer smoke size
 SHAPES = {
@@ -44,6 +49,22 @@ def parser(doc: str) -> argparse.ArgumentParser:
                    "(default: the first seeds of --seeds); seeds outside --seeds tune without being evaluated, so "
                    "two evaluation seed sets can share one choice")
     return p
+
+
+def rate_options(p: argparse.ArgumentParser, recorded: dict, where: str) -> None:
+    """``--tune``, for a study whose published learning-rate choice is recorded in the script (``recorded``: ``{arm:
+    rate}``, the choice of the sweep ``where`` names): by default every arm runs at its recorded rate, so that the
+    default size stays within the protocol's 15 minutes and a rerun with other ``--seeds`` differs from the published
+    set in its evaluation seeds alone; ``--tune`` (or ``--sweep-seeds``) runs the sweep again."""
+    rates = ", ".join(f"{arm} {lr:g}" for arm, lr in recorded.items())
+    p.add_argument("--tune", action="store_true", help=f"run the learning-rate sweep (on --sweep-seeds) instead of "
+                   f"the rates the published sweep chose ({where}: {rates})")
+
+
+def recorded_rates(args, recorded: dict) -> dict | None:
+    """The rates a study runs at without a sweep, or ``None`` where it sweeps: ``--tune``, ``--sweep-seeds`` and
+    ``--smoke`` (whose grid is the smoke one) sweep."""
+    return None if args.tune or args.sweep_seeds or args.smoke else dict(recorded)
 
 
 def seeds_of(args, default: tuple[int, ...], smoke: tuple[int, ...] = (0,)) -> list[int]:
@@ -174,18 +195,23 @@ def differences_table(comparisons: dict, *, scale: float = 100.0, digits: int = 
                  [row(name, d) for name, d in comparisons.items()])
 
 
-def tuned_arms(arms, lrs, seeds, sweep_seeds, run_one, rank=None) -> dict:
+def tuned_arms(arms, lrs, seeds, sweep_seeds, run_one, rank=None, recorded: dict | None = None) -> dict:
     """The studies' tuning protocol. For each arm, ``run_one(arm, lr, seed)`` (a dict with ``validation``) runs at
     every learning rate of ``lrs`` (one sequence for every arm, or ``{arm: rates}``) on ``sweep_seeds``; the rate
     with the best mean validation score is the arm's choice (``rank(runs)``, a sortable value, replaces the mean
     where ties need breaking), and the arm then runs at it on the rest of ``seeds`` (the sweep's runs at that rate
-    are reused). Returns ``{"sweep": {arm: {lr: [run, ...]}}, "chosen": {arm: lr}, "runs": {arm: [run per seed of
-    seeds]}, "every": [each run once]}``."""
+    are reused). ``recorded`` (``{arm: rate}``, see ``recorded_rates``) skips the sweep: each arm runs at its
+    recorded rate. Returns ``{"sweep": {arm: {lr: [run, ...]}}, "chosen": {arm: lr}, "runs": {arm: [run per seed of
+    seeds]}, "every": [each run once]}`` (an empty sweep per arm with ``recorded``)."""
     sweep, chosen, runs, every = {}, {}, {}, []
     run_one = _recording(run_one, every)
     rank = rank or (lambda done: np.mean([r["validation"] for r in done]))
     for arm in arms:
         rates = lrs[arm] if isinstance(lrs, dict) else lrs
+        if recorded is not None:
+            sweep[arm], chosen[arm] = {}, recorded[arm]
+            runs[arm] = [run_one(arm, chosen[arm], seed) for seed in seeds]
+            continue
         sweep[arm] = {lr: [run_one(arm, lr, seed) for seed in sweep_seeds] for lr in rates}
         chosen[arm] = max(rates, key=lambda lr, arm=arm: rank(sweep[arm][lr]))
         done = dict(zip(sweep_seeds, sweep[arm][chosen[arm]], strict=True))
@@ -212,6 +238,17 @@ def sweep_table(results: dict, labels: dict) -> str:
     return table(["arm", *[f"lr {lr:g}" for lr in every], "chosen"],
                  [[labels[arm], *[cell(arm, lr) for lr in every], f"{results['chosen'][arm]:g}"]
                   for arm in results["chosen"]])
+
+
+def sweep_section(results: dict, labels: dict, score: str = "validation exact match %") -> str:
+    """The sweep's heading and table (``sweep_table``), or, for a run at the recorded rates (an empty sweep), the
+    sentence that says so and names each arm's rate."""
+    if not any(results["sweep"].values()):
+        return ("No sweep in this run: each arm ran at the rate the published sweep chose, recorded in the script "
+                "(`--tune` runs the sweep again): " + ", ".join(f"{labels[arm]} {lr:g}"
+                                                             for arm, lr in results["chosen"].items()) + ".")
+    return (f"Learning-rate sweep ({score}, mean of seeds {results['sweep_seeds']}, {results['sizes']['validation']} "
+            f"questions):\n\n" + sweep_table(results, labels))
 
 
 def _recording(run_one, every: list):

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
     if min(lrs) <= 0:
         p.error(f"--lrs {args.lrs}: every rate must be > 0")
     started = time.time()
-    seeds = seeds_of(args, (0, 1, 2), smoke=(0, 1))
+    seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
     sweep_seeds = sweep_seeds_of(args, seeds) if len(lrs) > 1 else []
     start = pretrained_start("smoke" if args.smoke else "tiny")
     root = workdir_of(args, STUDY)

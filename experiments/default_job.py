@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "default_sequence, default_frozen_table, default_zero, default_lambda_only, default_gamma_only)")
     args = p.parse_args(argv)
     started = time.time()
-    seeds = seeds_of(args, (0, 1, 2), smoke=(0, 1))
+    seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
     arms = args.arms.split(",")
     root = workdir_of(args, STUDY)
 

@@ -13,11 +13,13 @@ What the gain is made of: the verbose style does not fit the 8-token budget (its
 operand), so the study also reports the share of held-out greedy answers in the short style and the exact match
 among those.
 
-    python experiments/grpo_toy.py                 # 5 seeds (about 30 minutes on 2 cores), docs/results/grpo_toy.*
-    python experiments/grpo_toy.py --baseline      # and the matched SFT arm (about 6 minutes more)
+    python experiments/grpo_toy.py                 # the fair-test version (docs/results.md): the shared pretrained
+                                                   # start, a short-answer SFT ablation, each arm at its tuned rate
+    python experiments/grpo_toy.py --tune          # the same, its learning-rate sweep run again (seeds 100-101)
     python experiments/grpo_toy.py --smoke         # seconds: checks the script
-    python experiments/grpo_toy.py --tuned         # the fair-test version (docs/results.md): the shared pretrained
-                                                   # start, a short-answer SFT ablation, each arm's rate tuned
+    python experiments/grpo_toy.py --bundled       # the first version, described above: 5 seeds of the bundled job
+                                                   # (about 30 minutes on 2 cores), docs/results/grpo_toy.*
+    python experiments/grpo_toy.py --bundled --baseline   # and the matched SFT arm (about 6 minutes more)
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ from common import (
     paired_difference,
     parser,
     pm,
+    rate_options,
+    recorded_rates,
     runs_note,
     seeds_of,
+    sweep_section,
     sweep_seeds_of,
     sweep_summary,
-    sweep_table,
     t_interval,
     table,
     toy_config,
@@ -114,13 +118,16 @@ TUNED_ARMS = ("grpo", "sft", "sft_short")
 TUNED_LABELS = {"grpo": "GRPO", "sft": "matched SFT (both styles)", "sft_short": "SFT on short answers only"}
 TUNED_LRS = {"grpo": (5e-5, 1.5e-4, 5e-4), "sft": (1e-4, 3e-4, 1e-3), "sft_short": (1e-4, 3e-4, 1e-3)}
 START_LR = 1e-3  # the SFT start's rate (the rate SFT chose from the pretrained start in the SFT vs IFT study)
+# the choice of the published sweep (seeds 100-101, 2026-12-07; docs/results.md): the study runs at it by default
+TUNED_RECORDED = {"grpo": 1.5e-4, "sft": 1e-3, "sft_short": 1e-4}
 
 
 def tuned_study(args, argv: list[str], started: float) -> dict:
     """The fair-test version (``--tuned``): the shared pretrained start, one SFT start from it on mixed-style answers
     of the train pool, then three arms from that start at equal steps (GRPO; SFT on the same mixed data; SFT on the
     same questions' short answers, the style ablation), each arm's rate chosen on the validation pool
-    (``--sweep-seeds``, by default 100 and 101), scored on the whole test pool (greedy, 8 new tokens: GRPO's
+    (``--sweep-seeds``, by default 100 and 101; that choice is recorded in ``TUNED_RECORDED`` and used unless
+    ``--tune`` or ``--sweep-seeds`` asks for the sweep), scored on the whole test pool (greedy, 8 new tokens: GRPO's
     completion budget)."""
     if args.smoke:
         sizes = dict(shape="smoke", train=200, start_steps=10, steps=3, prompts=4, validation=16, test=16,
@@ -131,7 +138,8 @@ def tuned_study(args, argv: list[str], started: float) -> dict:
     generations = 8
     seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
     # the published rate choice's seeds by default, so that a rerun with other --seeds differs in those alone
-    sweep_seeds = sweep_seeds_of(args, seeds) if args.sweep_seeds or args.smoke else [100, 101]
+    recorded = recorded_rates(args, TUNED_RECORDED)
+    sweep_seeds = [] if recorded else sweep_seeds_of(args, seeds) if args.sweep_seeds or args.smoke else [100, 101]
     pretrained = pretrained_start(sizes["shape"])
     root = workdir_of(args, "grpo_toy_tuned")
     validation = arithmetic_pool("validation")[: sizes["validation"] or None]
@@ -194,7 +202,7 @@ def tuned_study(args, argv: list[str], started: float) -> dict:
 
         return cached_run(workdir / "result.json", fit)
 
-    tuned = tuned_arms(TUNED_ARMS, sizes["lrs"], seeds, sweep_seeds, run_one)
+    tuned = tuned_arms(TUNED_ARMS, sizes["lrs"], seeds, sweep_seeds, run_one, recorded=recorded)
     tests = {arm: [r["test"] for r in tuned["runs"][arm]] for arm in TUNED_ARMS}
     comparisons = {"GRPO − matched SFT": paired_difference(tests["grpo"], tests["sft"]),
                    "GRPO − SFT on short answers (the style ablation)": paired_difference(tests["grpo"],
@@ -223,8 +231,7 @@ def tuned_study(args, argv: list[str], started: float) -> dict:
     text += table(["arm", "learning rate", "test exact match, % (95 % CI)", "per seed, %", "short-style answers, %",
                    "exact match among short, %"], rows)
     text += "\n\n" + differences_table(comparisons, verdicts=True)
-    text += (f"\n\nLearning-rate sweep (validation exact match %, mean of seeds {sweep_seeds}, {len(validation)} "
-             "questions):\n\n" + sweep_table(results, TUNED_LABELS) + "\n\n" + runs_note(tuned["every"]))
+    text += "\n\n" + sweep_section(results, TUNED_LABELS) + "\n\n" + runs_note(tuned["every"])
     write(args.out, "grpo_toy_tuned", command=command_line("grpo_toy", argv), results=results, markdown=text,
           started=started)
     plot_tuned(results, Path(args.out) / "grpo_toy_tuned.png")
@@ -257,12 +264,20 @@ def plot_tuned(results: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parser(__doc__)
-    args.add_argument("--baseline", action="store_true", help="also the matched SFT-continuation arm")
-    args.add_argument("--tuned", action="store_true", help="the fair-test version: the shared pretrained start, a "
-                      "style-ablation arm, each arm's rate tuned on the validation pool (docs/results.md)")
+    args.add_argument("--bundled", action="store_true", help="the first version: each seed runs the bundled "
+                      "`jaxalign train --config grpo` job (default: the fair-test version, docs/results.md)")
+    args.add_argument("--baseline", action="store_true", help="with --bundled: also the matched SFT-continuation arm")
+    args.add_argument("--tuned", action="store_true", help="the fair-test version, the default (kept so that the "
+                      "commands published before it became the default still run)")
+    rate_options(args, TUNED_RECORDED, "seeds 100-101")
     args = args.parse_args(argv)
     started = time.time()
-    if args.tuned:
+    if args.bundled and args.tuned:
+        raise SystemExit("grpo_toy.py: --bundled and --tuned name two different studies; give one")
+    if args.baseline and not args.bundled:
+        raise SystemExit("grpo_toy.py: --baseline adds the matched SFT arm to the --bundled study (the default study "
+                         "has it already)")
+    if not args.bundled:
         return tuned_study(args, argv, started)
     root = workdir_of(args, "grpo_toy")
     seeds = seeds_of(args, (0, 1, 2, 3, 4))

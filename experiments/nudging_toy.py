@@ -1,4 +1,4 @@
-"""Nudging a toy base model with a small aligned model: γ tuned on validation questions, 5 seeds, paired tests.
+"""Nudging a toy base model with a small aligned model: γ tuned on validation questions, 10 seeds, paired tests.
 
 The Nudging paper's claim (Fei et al., 2024): a base model decoded with a small aligned model's help wherever the
 base is unsure (top-1 probability below γ) beats the small aligned model alone, and the base alone, on the task's
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         sizes = dict(base_records=12_000, chat_records=2_000, base_steps=300, chat_steps=150, validation=0, test=0,
                      word_level=40, base_shape="tiny", aligned_shape="small")
-    seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
+    seeds = seeds_of(args, tuple(range(10)), smoke=(0, 1))
     start = pretrained_start(sizes["base_shape"])
     root = workdir_of(args, STUDY)
     validation = arithmetic_pool("validation")[: sizes["validation"] or None]

@@ -12,6 +12,8 @@ import pytest
 
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 STUDIES = sorted(p.stem for p in EXPERIMENTS.glob("*.py") if p.stem not in ("common", "pretrained"))
+# the options of a study's generic smoke run, where its default version has a test of its own
+SMOKE_OPTIONS = {"grpo_toy": ("--bundled", "--baseline")}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,10 +50,11 @@ def test_study_runs_at_smoke_size(study, tmp_path):
     module = importlib.import_module(study)
     for package in getattr(module, "REQUIRES", ()):
         pytest.importorskip(package)
-    run_at_smoke_size(study, tmp_path)
+    options = SMOKE_OPTIONS.get(study, ())
+    run_at_smoke_size(study, tmp_path, *options)
     written = json.loads((tmp_path / "out" / f"{study}.json").read_text())
     assert written["results"]
-    assert written["meta"]["command"].startswith(f"python experiments/{study}.py --smoke")
+    assert written["meta"]["command"].startswith(" ".join([f"python experiments/{study}.py --smoke", *options]))
     assert (tmp_path / "out" / f"{study}.md").read_text().startswith("Command: `python experiments/")
     assert list((tmp_path / "out").glob(f"{study}*.png")), "each study draws at least one figure"
 
@@ -104,9 +107,8 @@ def test_smollm2_study_resumes_from_its_records_after_the_run_folders_are_gone(t
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_grpo_tuned_runs_every_arm_from_one_sft_start(tmp_path):
-    run_at_smoke_size("grpo_toy", tmp_path, "--tuned")
+    run_at_smoke_size("grpo_toy", tmp_path)  # the fair-test version is the default
     results = json.loads((tmp_path / "out" / "grpo_toy_tuned.json").read_text())["results"]
     assert set(results["chosen"]) == {"grpo", "sft", "sft_short"} and results["sweep_seeds"] == [0, 1]
     assert list(results["verdicts"]) == ["GRPO − matched SFT", "GRPO − SFT on short answers (the style ablation)",
@@ -244,3 +246,11 @@ def test_cpi_learning_rates_are_checked_before_anything_runs(lrs, message, capsy
     with pytest.raises(SystemExit):
         cpi_toy.main(["--smoke", "--lrs", lrs, "--workdir", str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
     assert message in capsys.readouterr().err and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("options, message", [(["--bundled", "--tuned"], "two different studies"),
+                                              (["--baseline"], "has it already")])
+def test_grpo_study_options_that_do_not_fit_together_are_refused(options, message):
+    module = importlib.import_module("grpo_toy")
+    with pytest.raises(SystemExit, match=message):
+        module.main(options)

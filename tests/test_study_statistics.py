@@ -95,6 +95,27 @@ def test_sweep_seeds_outside_the_evaluated_seeds_tune_without_being_evaluated(co
     assert len(tuned["every"]) == 4 + 3  # the sweep's runs are counted, none of them is an evaluated run
 
 
+def test_recorded_rates_skip_the_sweep_unless_asked_to_tune(common):
+    p = common.parser('"""A study."""')
+    common.rate_options(p, {"a": 2, "b": 10}, "seeds 100-101")
+    recorded = {"a": 2, "b": 10}
+    assert common.recorded_rates(p.parse_args([]), recorded) == recorded
+    for flags in (["--tune"], ["--sweep-seeds", "100,101"], ["--smoke"]):  # each of these sweeps
+        assert common.recorded_rates(p.parse_args(flags), recorded) is None
+    calls = []
+
+    def run_one(arm, lr, seed):
+        calls.append((arm, lr, seed))
+        return {"validation": 0.5, "key": (arm, lr, seed)}
+
+    tuned = common.tuned_arms(["a", "b"], (1, 2, 10), [21, 22], [100, 101], run_one, recorded=recorded)
+    assert calls == [("a", 2, 21), ("a", 2, 22), ("b", 10, 21), ("b", 10, 22)]  # no sweep run, no sweep seed
+    assert tuned["chosen"] == recorded and tuned["sweep"] == {"a": {}, "b": {}}
+    results = {"sizes": {"lrs": (1, 2, 10)}, "sweep": common.sweep_summary(tuned), "chosen": tuned["chosen"]}
+    assert common.sweep_section(results, {"a": "A", "b": "B"}).startswith("No sweep in this run")
+    assert "A 2, B 10" in common.sweep_section(results, {"a": "A", "b": "B"})
+
+
 def test_cached_run_skips_a_finished_run_and_never_trusts_a_broken_record(common, tmp_path):
     calls = []
     record = tmp_path / "seed0" / "result.json"
