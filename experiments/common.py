@@ -296,8 +296,12 @@ def write(out: str | Path, study: str, *, command: str, results: dict, markdown:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {**environment(), "command": command, "seconds": round(time.time() - started, 1)}
+    used = getattr(sys.modules.get("pretrained"), "USED", {})  # the pretrained starts this study read, if any
+    if used:
+        meta["pretrained_weights_sha256"] = dict(used)
     (out / f"{study}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    header = f"Command: `{command}` — {meta['date']}, {meta['seconds']:.0f} s on {meta['backend']}.\n\n"
+    starts = "".join(f"; start `{name}`, weights sha256 {digest}" for name, digest in used.items())
+    header = f"Command: `{command}` — {meta['date']}, {meta['seconds']:.0f} s on {meta['backend']}{starts}.\n\n"
     (out / f"{study}.md").write_text(header + markdown + "\n")
     print(header + markdown, flush=True)
     return out / f"{study}.md"

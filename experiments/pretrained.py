@@ -10,12 +10,15 @@ and copying ("Reverse abcde. edcba"). Every arithmetic operation in it comes fro
 ``jaxalign.data.toy.pool_of`` (a fixed hash of the operation), so no study's validation or test question is ever
 seen before fine-tuning, in any wording. The chat format itself is never seen either: fine-tuning teaches it.
 
-Deterministic: the corpus, the model's initialisation and the data order are functions of the settings below,
-and the result is cached under a content hash of the corpus and the training config
-(``~/.cache/jaxalign/pretrained/<name>-<hash>/``, or ``$JAXALIGN_PRETRAINED_CACHE``). A study asks for it with
-``pretrained_start(shape)``: the first call trains (5-10 minutes at the tiny shape on 2 CPU cores), later
-calls return the folder. The folder is a Hugging Face export (``config.json``, safetensors, the toy tokenizer),
-given to a run as ``model.path``.
+Deterministic: the corpus, the model's initialisation and the data order are functions of the settings below, and
+the result is cached under a content hash of the corpus and the training config
+(``~/.cache/jaxalign/pretrained/<name>-<hash>/``, or ``$JAXALIGN_PRETRAINED_CACHE``). The name does not fix the
+weights: two builds of one name have differed (the 2026-12-03 and 2026-12-06 builds of
+``toy-tiny-d793015e2a85caf4``, docs/results.md "Nudging"). So every study records the SHA-256 of the start's weights
+it used (``weights_digest``) in its JSON and in its table's first line. A study asks for it with
+``pretrained_start(shape)``: the first call trains (5-10 minutes at the tiny shape on 2 CPU cores), later calls
+return the folder. The folder is a Hugging Face export (``config.json``, safetensors, the toy tokenizer), given to a
+run as ``model.path``.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ RECIPES = {
     "smoke": dict(documents=200, steps=4, lr=3e-3, batch_size=8, max_length=64, row_length=128, seed=1234),
 }
 MAX_OPERAND = 20
+USED: dict[str, str] = {}  # the starts this process used: folder name -> weights digest (common.write records it)
 
 
 def transcript(rng: np.random.Generator) -> str:
@@ -69,6 +73,15 @@ def corpus(documents: int, seed: int) -> list[dict]:
     return [{"text": "\n".join(transcript(rng) for _ in range(int(rng.integers(1, 4))))} for _ in range(documents)]
 
 
+def weights_digest(folder: Path) -> str:
+    """The first 16 hex digits of the SHA-256 of a start's ``model.safetensors``: which weights a name stood for."""
+    digest = hashlib.sha256()
+    with open(Path(folder) / "model.safetensors", "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("JAXALIGN_PRETRAINED_CACHE") or Path.home() / ".cache" / "jaxalign" / "pretrained")
 
@@ -89,6 +102,7 @@ def pretrained_start(shape: str = "tiny", *, log=print) -> Path:
     key = hashlib.sha256(text.encode() + probe.to_json(sort_keys=True).encode()).hexdigest()[:16]
     final = cache_root() / f"toy-{shape}-{key}"
     if (final / "config.json").exists():
+        USED[final.name] = weights_digest(final)
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -107,6 +121,7 @@ def pretrained_start(shape: str = "tiny", *, log=print) -> Path:
             if not (final / "config.json").exists():
                 raise
     log(f"pretrained start {final} ({time.time() - started:.0f} s)")
+    USED[final.name] = weights_digest(final)
     return final
 
 

@@ -1,5 +1,6 @@
 """The studies' statistics (experiments/common.py): the paired difference, its interval, p-value and verdict."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -126,3 +127,21 @@ def test_cached_run_skips_a_finished_run_and_never_trusts_a_broken_record(common
     with pytest.raises(SystemExit, match=r"result\.json: a finished run's record that is not valid JSON"):
         common.cached_run(record, lambda: calls.append(1) or {"test": 0.0})
     assert calls == [1]
+
+
+def test_a_study_records_the_weights_of_the_pretrained_start_it_used(common, tmp_path, monkeypatch):
+    import hashlib
+
+    import pretrained  # experiments/, on the path through the common fixture
+
+    start = tmp_path / "toy-tiny-0123456789abcdef"
+    start.mkdir()
+    (start / "model.safetensors").write_bytes(b"weights" * 1000)
+    digest = pretrained.weights_digest(start)
+    assert digest == hashlib.sha256(b"weights" * 1000).hexdigest()[:16]
+    monkeypatch.setattr(pretrained, "USED", {start.name: digest})
+    common.write(tmp_path / "out", "study", command="python experiments/study.py", results={"x": 1},
+                 markdown="table", started=0.0)
+    meta = json.loads((tmp_path / "out" / "study.json").read_text())["meta"]
+    assert meta["pretrained_weights_sha256"] == {start.name: digest}
+    assert f"start `{start.name}`, weights sha256 {digest}" in (tmp_path / "out" / "study.md").read_text()
