@@ -53,9 +53,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 def rate_options(p: argparse.ArgumentParser, recorded: dict, where: str) -> None:
     """``--tune``, for a study whose published learning-rate choice is recorded in the script (``recorded``: ``{arm:
-    rate}``, the choice of the sweep ``where`` names): by default every arm runs at its recorded rate, so that the
-    default size stays within the protocol's 15 minutes and a rerun with other ``--seeds`` differs from the published
-    set in its evaluation seeds alone; ``--tune`` (or ``--sweep-seeds``) runs the sweep again."""
+    rate}``, the choice of the sweep ``where`` names): by default every arm runs at its recorded rate, without the
+    sweep's runs, and a rerun with other ``--seeds`` differs from the published set in its evaluation seeds alone;
+    ``--tune`` (or ``--sweep-seeds``) runs the sweep again."""
     rates = ", ".join(f"{arm} {lr:g}" for arm, lr in recorded.items())
     p.add_argument("--tune", action="store_true", help=f"run the learning-rate sweep (on --sweep-seeds) instead of "
                    f"the rates the published sweep chose ({where}: {rates})")

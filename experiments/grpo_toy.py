@@ -1,10 +1,15 @@
 """GRPO on toy arithmetic from an SFT start: does RL with a verifiable reward raise held-out exact match?
 
-Each seed runs the bundled default job, `jaxalign train --config grpo --config.seed=S`: 600 SFT steps of the tiny
-random model on toy arithmetic whose answers mix two styles (`data.toy_style=mixed`: "28" or "16 + 12 = 28. The
-answer is 28."), then 150 GRPO steps (DAPO loss, 16 prompts x 8 completions of at most 8 tokens, exact-number
-reward, lr 1.5e-4) on the same training questions. Held-out exact match: greedy, 8 new tokens, the run's 200 held-out
-questions (none of them in the training data), at step 0 (the SFT start) and every 25 steps.
+The default is the fair-test version (``tuned_study``; docs/results.md, "GRPO on the protocol"): the shared
+pretrained start, one SFT start from it, then GRPO, matched SFT and SFT on the short answers alone (the style
+ablation) at equal steps, each at the rate its sweep chose, 5 seeds, on the whole test pool.
+
+The first version (``--bundled``): each seed runs the bundled default job, `jaxalign train --config grpo
+--config.seed=S`: 600 SFT steps of the tiny random model on toy arithmetic whose answers mix two styles
+(`data.toy_style=mixed`: "28" or "16 + 12 = 28. The answer is 28."), then 150 GRPO steps (DAPO loss, 16 prompts x 8
+completions of at most 8 tokens, exact-number reward, lr 1.5e-4) on the same training questions. Held-out exact
+match: greedy, 8 new tokens, the run's 200 held-out questions (none of them in the training data), at step 0 (the
+SFT start) and every 25 steps.
 
 The matched baseline (`--baseline`): from the same SFT start, 150 more SFT steps of 128 sequences (as many
 sequences as GRPO's completions) on the same training data at the same learning rate.
