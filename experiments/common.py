@@ -67,6 +67,20 @@ def recorded_rates(args, recorded: dict) -> dict | None:
     return None if args.tune or args.sweep_seeds or args.smoke else dict(recorded)
 
 
+def rates_or_sweep(args, seeds: list[int], recorded: dict | None,
+                   sweep_seeds: tuple[int, ...] | None = (100, 101)) -> tuple[dict | None, list[int]]:
+    """``(rates, sweep seeds)`` of a study with recorded rates: the recorded rates and no sweep by default, else
+    ``None`` and the seeds to sweep on: ``--sweep-seeds``, the first seeds at smoke size, otherwise ``sweep_seeds``
+    (the published sweep's; ``None``: the first two of ``seeds``). ``recorded=None``: no choice recorded at this
+    size, so it sweeps."""
+    rates = None if recorded is None else recorded_rates(args, recorded)
+    if rates:
+        return rates, []
+    if args.sweep_seeds or args.smoke or sweep_seeds is None:
+        return None, sweep_seeds_of(args, seeds)
+    return None, list(sweep_seeds)
+
+
 def seeds_of(args, default: tuple[int, ...], smoke: tuple[int, ...] = (0,)) -> list[int]:
     if args.seeds:
         return [int(s) for s in args.seeds.split(",")]

@@ -46,11 +46,10 @@ from common import (
     parser,
     pm,
     rate_options,
-    recorded_rates,
+    rates_or_sweep,
     runs_note,
     seeds_of,
     sweep_section,
-    sweep_seeds_of,
     sweep_summary,
     t_interval,
     table,
@@ -143,8 +142,7 @@ def tuned_study(args, argv: list[str], started: float) -> dict:
     generations = 8
     seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
     # the published rate choice's seeds by default, so that a rerun with other --seeds differs in those alone
-    recorded = recorded_rates(args, TUNED_RECORDED)
-    sweep_seeds = [] if recorded else sweep_seeds_of(args, seeds) if args.sweep_seeds or args.smoke else [100, 101]
+    recorded, sweep_seeds = rates_or_sweep(args, seeds, TUNED_RECORDED)
     pretrained = pretrained_start(sizes["shape"])
     root = workdir_of(args, "grpo_toy_tuned")
     validation = arithmetic_pool("validation")[: sizes["validation"] or None]

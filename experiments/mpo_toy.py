@@ -42,11 +42,10 @@ from common import (
     paired_difference,
     parser,
     rate_options,
-    recorded_rates,
+    rates_or_sweep,
     runs_note,
     seeds_of,
     sweep_section,
-    sweep_seeds_of,
     sweep_summary,
     table,
     toy_config,
@@ -141,8 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
         sizes = dict(shape="tiny", dominant=4000, target=400, pairs=2000, sft_steps=200 * scale, steps=100 * scale,
                      lrs=LRS, validation=0, test=0)
     seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
-    recorded = None if args.full else recorded_rates(args, RECORDED)
-    sweep_seeds = [] if recorded else sweep_seeds_of(args, seeds) if args.sweep_seeds or args.smoke else [100, 101]
+    recorded, sweep_seeds = rates_or_sweep(args, seeds, None if args.full else RECORDED)
     start = pretrained_start(sizes["shape"])
     root = workdir_of(args, STUDY)
     validation = pool_records("validation")[: sizes["validation"] or None]

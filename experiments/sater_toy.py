@@ -37,10 +37,9 @@ from common import (
     paired_difference,
     parser,
     rate_options,
-    recorded_rates,
+    rates_or_sweep,
     runs_note,
     seeds_of,
-    sweep_seeds_of,
     table,
     toy_config,
     verdict,
@@ -103,8 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
                   sft_steps=300 if args.full else 200, dpo_steps=100, dpo_lrs=DPO_LRS,
                   stage2_steps=300 if args.full else 150, stage2_lr=5e-4, cascade=8))
     seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
-    recorded = None if args.full else recorded_rates(args, RECORDED)
-    sweep_seeds = [] if recorded else sweep_seeds_of(args, seeds) if args.sweep_seeds or args.smoke else [100, 101]
+    recorded, sweep_seeds = rates_or_sweep(args, seeds, None if args.full else RECORDED)
     start = pretrained_start(sizes["shape"])
     root = workdir_of(args, STUDY)
     out = Path(args.out)

@@ -40,11 +40,10 @@ from common import (
     paired_difference,
     parser,
     rate_options,
-    recorded_rates,
+    rates_or_sweep,
     runs_note,
     seeds_of,
     sweep_section,
-    sweep_seeds_of,
     sweep_summary,
     table,
     toy_config,
@@ -96,10 +95,9 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         sizes = dict(shape="tiny", train=4000, steps=600 if args.full else 200, lrs=LRS, validation=0, test=0)
     seeds = seeds_of(args, (0, 1, 2, 3, 4), smoke=(0, 1))
-    recorded = recorded_rates(args, RECORDED[sizes["steps"]]) if not args.smoke else None
+    recorded, sweep_seeds = rates_or_sweep(args, seeds, RECORDED.get(sizes["steps"]), sweep_seeds=None)
     if recorded:
         recorded = {arm: recorded[arm] for arm in arms}
-    sweep_seeds = [] if recorded else sweep_seeds_of(args, seeds)
     start = pretrained_start(sizes["shape"])
     root = workdir_of(args, STUDY)
     validation = arithmetic_pool("validation")[: sizes["validation"] or None]

@@ -103,6 +103,11 @@ def test_recorded_rates_skip_the_sweep_unless_asked_to_tune(common):
     assert common.recorded_rates(p.parse_args([]), recorded) == recorded
     for flags in (["--tune"], ["--sweep-seeds", "100,101"], ["--smoke"]):  # each of these sweeps
         assert common.recorded_rates(p.parse_args(flags), recorded) is None
+    assert common.rates_or_sweep(p.parse_args([]), [21, 22], recorded) == (recorded, [])
+    assert common.rates_or_sweep(p.parse_args(["--tune"]), [21, 22], recorded) == (None, [100, 101])
+    assert common.rates_or_sweep(p.parse_args(["--tune"]), [21, 22], recorded, sweep_seeds=None) == (None, [21, 22])
+    assert common.rates_or_sweep(p.parse_args([]), [21, 22], None) == (None, [100, 101])  # nothing recorded
+    assert common.rates_or_sweep(p.parse_args(["--smoke"]), [0, 1], recorded) == (None, [0, 1])
     calls = []
 
     def run_one(arm, lr, seed):
