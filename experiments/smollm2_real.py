@@ -14,9 +14,12 @@ problems (pass@1), 3 seeds, all on CPU.
   runs it (λ = 0.2 constant, γ = 0.95, input table frozen); DPO (β = 0.1, the start as reference, its log-probs
   precomputed). `--arms sft,ift,ift_zero,dpo` adds IFT with λ = γ = 0 (the SFT loss with IFT's frozen input table,
   which separates the method from that setting).
-* Tuning: each arm trains at every rate of `LRS` (SFT and IFT 3e-6, 1e-5, 3e-5; DPO 1e-6, 3e-6, 1e-5) on the first
-  seed; the rate with the highest validation pass@1 is chosen (ties: the lower validation NLL per token of the
-  canonical solutions); the other seeds train at it, and the first seed's run at it is reused. Checkpoints are
+* Tuning: each arm trains at every rate of `LRS` (SFT and IFT 3e-6, 1e-5, 3e-5; DPO 1e-6, 3e-6, 1e-5) on the sweep
+  seed (`--sweep-seeds`, by default seed 0, the published sweep's, whatever `--seeds` says); the rate with the
+  highest validation pass@1 is chosen (ties: the lower validation NLL per token of the canonical solutions); the
+  evaluated seeds train at it (the sweep's run at it is reused where its seed is one of them). So
+  `--seeds 21,22,23 --records docs/results/smollm2_real_runs` reads the published sweep back from its records and
+  differs from the published set in its evaluated seeds alone. Checkpoints are
   restored to score the test problems and then deleted (1.6 GB each), except the first seed's DPO run (exported).
   The arms go one after the other (sweep, then the chosen rate's seeds and their test scores), so an interrupted
   study has whole arms finished. `--records DIR` keeps the per-run JSON records (start, validation and test
@@ -54,6 +57,7 @@ from common import (
     parser,
     runs_note,
     seeds_of,
+    sweep_seeds_of,
     t_interval,
     table,
     train_model,
@@ -195,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     started = time.time()
     seeds = seeds_of(args, (0, 1, 2))
+    sweep_seeds = sweep_seeds_of(args, [0], count=1)  # the published sweep's seed unless --sweep-seeds names others
     arms = args.arms.split(",")
     lrs = {arm: SMOKE_LRS for arm in arms} if args.smoke else {arm: LRS[arm] for arm in arms}
     root = workdir_of(args, STUDY)
@@ -295,10 +300,11 @@ def main(argv: list[str] | None = None) -> dict:
     tuned = {"sweep": {}, "chosen": {}, "runs": {}, "every": []}
     runs = {}
     for arm in arms:  # arm by arm, so that an interrupted study has whole arms scored
-        one = tuned_arms([arm], lrs, seeds, seeds[:1], run_one, rank=rank)
-        for lr in lrs[arm]:  # the rates not chosen: their checkpoints are never read again
-            if lr != one["chosen"][arm]:
-                shutil.rmtree(folder_of(arm, lr, seeds[0]) / "checkpoints", ignore_errors=True)
+        one = tuned_arms([arm], lrs, seeds, sweep_seeds, run_one, rank=rank)
+        for lr in lrs[arm]:  # the sweep's runs that are not evaluated: their checkpoints are never read again
+            for seed in sweep_seeds:
+                if lr != one["chosen"][arm] or seed not in seeds:
+                    shutil.rmtree(folder_of(arm, lr, seed) / "checkpoints", ignore_errors=True)
         runs[arm] = [tested(r) for r in one["runs"][arm]]
         for key in ("sweep", "chosen", "runs"):
             tuned[key].update(one[key])
@@ -317,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "dpo" in arms:
         claims["DPO > its start"] = comparisons[f"{LABELS['dpo']} − start"]
     results = {
-        "model": Path(model_path).name, "seeds": seeds, "steps": steps, "batch": batch,
+        "model": Path(model_path).name, "seeds": seeds, "sweep_seeds": sweep_seeds, "steps": steps, "batch": batch,
         "train_problems": len(train_rows), "validation_problems": len(validation_rows),
         "test_problems": len(test_rows), "dpo_pairs": len(pairs),
         "start": {"pass_at_1": start_rate, "parse_rate": float(np.mean(start["parses"])),
@@ -379,7 +385,8 @@ def _markdown(results: dict) -> str:
                   [[LABELS[arm], lr, f"{100 * np.mean(v['validation']):.1f}", f"{np.mean(v['validation_nll']):.3f}",
                     "yes" if lr == results["chosen"][arm] else ""]
                    for arm, by_lr in results["sweep"].items() for lr, v in by_lr.items()])
-    text = (f"Learning-rate sweep on seed {results['seeds'][0]} ({results['validation_problems']} validation "
+    sweep_seeds = ", ".join(map(str, results.get("sweep_seeds", results["seeds"][:1])))
+    text = (f"Learning-rate sweep on seed {sweep_seeds} ({results['validation_problems']} validation "
             f"problems; the start scores {100 * start['validation']:.1f} %, NLL {start['validation_nll']:.3f}):\n\n"
             f"{sweep}\n\nTest problems, each arm at its chosen rate:\n\n")
     text += table(["arm", "test pass@1 %, mean [95 % CI]", "per seed", "completions that parse %",

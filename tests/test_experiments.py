@@ -104,6 +104,17 @@ def test_smollm2_study_resumes_from_its_records_after_the_run_folders_are_gone(t
     assert outputs[0] == outputs[1]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name.startswith("dpo_lr")) == \
         [f"dpo_lr{json.loads(outputs[0])['chosen']['dpo']}_s0"]  # only the exported run was trained again
+    # another seed set reads the published sweep (seed 0) back from the records and trains only its own seed
+    shutil.rmtree(runs_dir)
+    module.main(["--smoke", "--seeds", "1", "--out", str(tmp_path / "out2"), "--workdir", str(runs_dir),
+                 "--records", str(tmp_path / "records")])
+    again = json.loads((tmp_path / "out2" / "smollm2_real.json").read_text())["results"]
+    first = json.loads(outputs[0])
+    assert again["seeds"] == [1] and again["sweep_seeds"] == [0] and again["sweep"] == first["sweep"]
+    assert again["chosen"] == first["chosen"]
+    assert sorted(p.name for p in runs_dir.iterdir() if "_lr" in p.name) == \
+        sorted(f"{arm}_lr{lr}_s1" for arm, lr in first["chosen"].items())
+    assert "Learning-rate sweep on seed 0 " in (tmp_path / "out2" / "smollm2_real.md").read_text()
 
 
 @pytest.mark.slow
