@@ -168,3 +168,76 @@ def test_matvec_fusion_probe_chains_agree():
     result = json.loads(done.stdout)
     assert result["max_difference"] < 1e-5 and len(result["chains"]) == 4
     assert all(row["best_gbs"] > 0 for row in result["chains"].values())
+
+
+def test_step_profile_categorizes_hlo_and_profiles_both_sides(tmp_path):
+    """The train-step profile: HLO instructions fall in the right categories (a dot, what ran under the model's
+    ``attention_core`` name scope, pure data movement, reductions), PyTorch's ops by name, and a tiny run of both
+    sides accounts for the step."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import step_profile
+
+    hlo = """HloModule m
+
+%fused_dot (p0: f32[4,8], p1: f32[8,16]) -> f32[4,16] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %p1 = f32[8,16]{1,0} parameter(1)
+  ROOT %d = f32[4,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_scores (p0: f32[2,2,64,16]) -> f32[2,2,64,16] {
+  %p0 = f32[2,2,64,16]{3,2,1,0} parameter(0)
+  ROOT %e = f32[2,2,64,16]{3,2,1,0} exponential(%p0), metadata={op_name="jit(f)/attention_core/exp"}
+}
+
+%fused_move (p0: f32[16,4]) -> f32[4,16] {
+  %p0 = f32[16,4]{1,0} parameter(0)
+  ROOT %t = f32[4,16]{0,1} transpose(%p0), dimensions={1,0}
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: f32[4,8], w: f32[8,16], s: f32[2,2,64,16]) -> f32[4] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %w = f32[8,16]{1,0} parameter(1)
+  %s = f32[2,2,64,16]{3,2,1,0} parameter(2)
+  %ynn_fusion.1 = f32[4,16]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot
+  %loop_fusion = f32[2,2,64,16]{3,2,1,0} fusion(%s), kind=kLoop, calls=%fused_scores
+  %copy_fusion = f32[4,16]{0,1} fusion(%ynn_fusion.1), kind=kLoop, calls=%fused_move
+  %zero = f32[] constant(0)
+  ROOT %reduce.3 = f32[4]{0} reduce(%copy_fusion, %zero), dimensions={1}, to_apply=%add
+}
+"""
+    kinds = step_profile.hlo_categories(hlo)
+    assert kinds["ynn_fusion.1"] == "matmuls" and kinds["loop_fusion"] == "attention"
+    assert kinds["copy_fusion"] == "data movement" and kinds["reduce.3"] == "reductions"
+    unscoped = step_profile.hlo_categories(hlo.replace("attention_core", "elsewhere"))
+    assert unscoped["loop_fusion"] == "elementwise"
+    assert [step_profile.torch_category(k) for k in ("aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+                                                     "aten::_log_softmax", "aten::transpose", "aten::silu",
+                                                     "aten::_foreach_mul_")] == \
+        ["matmuls", "attention", "reductions", "data movement", "elementwise", "optimizer"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    options = [] if _has_torch() else ["--no-torch"]
+    done = subprocess.run([sys.executable, "benchmarks/step_profile.py", "--shape", "tiny", "--reps", "2", "--out",
+                           str(tmp_path / "p.json"), *options], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "p.json").read_text())
+    for side in result["sides"]:
+        assert side["wall_ms_per_step"] > 0 and side["summed_ms_per_step"] > 0
+        assert side["categories"]["matmuls"] > 0 and side["categories"].get("attention", 0) > 0
+    assert result["sides"][0]["side"] == "jaxalign" and not result["sides"][0]["unmatched_events"]
+
+
+def _has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,5 +1,6 @@
 """The decoder: logit parity with transformers, packing, KV cache, sharding."""
 
+import itertools
 import json
 
 import jax
@@ -410,3 +411,71 @@ def test_moe_layer_memory_grows_linearly_in_tokens():
     small, large = temp_bytes(512), temp_bytes(1024)
     print(f"MoE layer temporaries: {small} bytes at 512 tokens, {large} at 1024")
     assert 1.5 * small <= large <= 2.1 * small
+
+
+def test_causal_blocks_only_for_long_self_attention():
+    from jaxalign.models.llama import causal_blocks
+
+    assert [causal_blocks(t, t) for t in (64, 128, 255, 256, 320, 384, 452, 512, 4096)] == [1, 1, 1, 4, 5, 6, 4, 8, 8]
+    assert causal_blocks(256, 512) == 1  # a KV cache's slots: not self-attention over the row
+
+
+@pytest.mark.parametrize("case", ["padded", "packed", "gemma2"])
+def test_causal_blocked_attention_equals_the_dense_product(case, monkeypatch):
+    """At 256+ tokens the "xla" self-attention runs in causal query blocks (``causal_blocks``); the logits at every
+    real token and every parameter's gradient equal the dense product's (the path below 256 tokens)."""
+    from jaxalign.models import llama
+
+    length = 320  # 5 blocks of 64
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                         num_kv_heads=2)
+    if case == "gemma2":  # soft-capped scores and a sliding window on every other layer
+        config = config.replace(attn_softcap=20.0, sliding_window=100, sliding_window_layers=(True, False))
+    rng = np.random.RandomState(0)
+    tokens = jnp.asarray(rng.randint(3, 128, (3, length)))
+    mask = np.ones((3, length), np.int32)
+    mask[1, 250:] = 0
+    mask[2, :37] = 0  # left padding: these queries see no key
+    segments = None
+    if case == "packed":
+        segments = np.zeros((3, length), np.int32)
+        for row, cuts in enumerate([(0, 70, 200, 320), (0, 130, 250), (37, 100, 320)]):
+            for segment, (start, end) in enumerate(itertools.pairwise(cuts), 1):
+                segments[row, start:end] = segment
+        segments = jnp.asarray(segments)
+    model = create_model(config, seed=0)
+    graphdef, params = nnx.split(model)
+    real = jnp.asarray(mask, bool)
+
+    def loss_and_logits(params):
+        logits = nnx.merge(graphdef, params)(tokens, jnp.asarray(mask), segment_ids=segments)
+        weights = real[..., None]
+        return (jax.nn.log_softmax(logits) * weights).sum() / weights.sum(), logits
+
+    (loss, blocked), grads = jax.value_and_grad(loss_and_logits, has_aux=True)(params)
+    monkeypatch.setattr(llama, "causal_blocks", lambda length, slots: 1)
+    (dense_loss, dense), dense_grads = jax.value_and_grad(loss_and_logits, has_aux=True)(params)
+    np.testing.assert_allclose(np.asarray(blocked)[mask == 1], np.asarray(dense)[mask == 1], atol=1e-5)
+    assert abs(float(loss) - float(dense_loss)) <= 1e-5 * abs(float(dense_loss))
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(dense_grads), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5 * float(jnp.abs(want).max()) + 1e-9)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_logit_parity_with_transformers_in_causal_blocks(side, tmp_path):
+    """The blocked path (256 tokens: 4 query blocks) against transformers' eager attention."""
+    from torch_reference import make_reference, torch_logits
+
+    reference = make_reference("qwen3", tmp_path, max_position_embeddings=512)
+    model = load_hf(tmp_path)
+    rng = np.random.RandomState(1)
+    tokens = rng.randint(3, 128, (2, 256))
+    mask = np.ones((2, 256), np.int32)
+    if side == "right":
+        mask[1, 190:] = 0
+    else:
+        mask[1, :66] = 0
+    tokens = np.where(mask == 1, tokens, 0)
+    expected = torch_logits(reference, tokens, mask)
+    got = np.asarray(jax.jit(lambda m, t, a: m(t, a))(model, jnp.asarray(tokens), jnp.asarray(mask)))
+    assert np.abs(got - expected)[mask == 1].max() <= 1e-4

@@ -88,6 +88,22 @@ def keys_transposed(config: LlamaConfig) -> bool:
     return config.attention_impl not in ("dot_product", "cudnn")
 
 
+CAUSAL_BLOCK = 64  # query rows per block of the causal self-attention (``causal_blocks``)
+CAUSAL_BLOCKS_MAX = 8
+
+
+def causal_blocks(length: int, slots: int) -> int:
+    """Query blocks of the dense (``"xla"``) self-attention over ``length`` tokens: 1 (one dense product) unless the
+    row holds at least 4 blocks of ``CAUSAL_BLOCK`` and splits evenly; then up to ``CAUSAL_BLOCKS_MAX``, each block
+    computing its scores against the keys up to its own end (the causal part) only."""
+    if slots != length or length < 4 * CAUSAL_BLOCK:
+        return 1
+    for blocks in range(min(CAUSAL_BLOCKS_MAX, length // CAUSAL_BLOCK), 1, -1):
+        if length % blocks == 0:
+            return blocks
+    return 1
+
+
 def _replace_at(items: tuple, index: int, item) -> tuple:
     return (*items[:index], item, *items[index + 1:])
 
@@ -286,20 +302,30 @@ class Attention(nnx.Module):
             k, v = k.astype(x.dtype), v.astype(x.dtype)
             if transposed:
                 keys_t, k = k, None
-        batch, length = x.shape[:2]
+        with jax.named_scope("attention_core"):  # the scores, mask, softmax and weighted sum (profiles name it)
+            heads = self._attend(q, k, v, keys_t, mask, cache_kv is None)
+        return self._output(heads), new_kv
+
+    def _attend(self, q, k, v, keys_t, mask, self_attention: bool) -> jax.Array:
+        """The heads ``[B, T, H, hd]`` from rotated queries ``[B, T, H, hd]`` and head-major keys and values
+        (``[B, KV, S, hd]``; or ``keys_t`` ``[B, KV, hd, S]`` from a transposed cache, ``k`` then None)."""
+        cfg = self.config
+        batch, length = q.shape[:2]
         if isinstance(mask, SegmentMask):  # attention_impl="pallas" without a KV cache
-            return self._output(flash_attention(q, k, v, mask, scale=self.scale, window=self.window)), new_kv
+            return flash_attention(q, k, v, mask, scale=self.scale, window=self.window)
         if isinstance(mask, GroupLayout):
-            return self._output(self._grouped(q, k, v, mask)), new_kv
+            return self._grouped(q, k, v, mask)
         if cfg.attention_impl in ("dot_product", "cudnn"):
-            out = jax.nn.dot_product_attention(
+            return jax.nn.dot_product_attention(
                 q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask=mask[:, None, :, :], scale=self.scale,
                 implementation=None if cfg.attention_impl == "dot_product" else cfg.attention_impl)
-            return self._output(out), new_kv
         # grouped-query attention as batched 2-D products per (batch, kv head): the query heads of a group are
         # stacked along the query positions ([B, KV, G*T, hd]); on the CPU this runs 1.4x faster (forward +
         # backward) than a 5-D einsum, whose transposed operands XLA handles poorly there
         groups, slots = cfg.num_heads // cfg.num_kv_heads, v.shape[2]
+        blocks = causal_blocks(length, slots) if self_attention and keys_t is None else 1
+        if blocks > 1:
+            return self._causal_blocked(q, k, v, mask, blocks)
         q = q.reshape(batch, length, cfg.num_kv_heads, groups, cfg.head_dim).transpose(0, 2, 3, 1, 4)
         q = q.reshape(batch, cfg.num_kv_heads, groups * length, cfg.head_dim)
         if keys_t is None:
@@ -308,11 +334,33 @@ class Attention(nnx.Module):
             scores = jnp.einsum("bkqd,bkds->bkqs", q, keys_t, preferred_element_type=jnp.float32)
         scores = softcap(scores.reshape(batch, cfg.num_kv_heads, groups, length, slots) * self.scale, cfg.attn_softcap)
         scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
         probs = probs.reshape(batch, cfg.num_kv_heads, groups * length, slots)
         out = jnp.einsum("bkqs,bksd->bkqd", probs, v)
         out = out.reshape(batch, cfg.num_kv_heads, groups, length, cfg.head_dim).transpose(0, 3, 1, 2, 4)
-        return self._output(out.reshape(batch, length, cfg.num_heads, cfg.head_dim)), new_kv
+        return out.reshape(batch, length, cfg.num_heads, cfg.head_dim)
+
+    def _causal_blocked(self, q, k, v, mask, blocks: int) -> jax.Array:
+        """Self-attention (no cache) in ``blocks`` query blocks, block ``i`` against the keys of blocks ``0..i``
+        only: the causal mask hides the rest, so the scores above the diagonal blocks are never computed. Equal to
+        the dense path at every query that sees at least one key (a query that sees none, at a left padding
+        position, averages the values it is given, as the dense path does over all of them)."""
+        cfg = self.config
+        batch, length = q.shape[:2]
+        kv, groups, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        size = length // blocks
+        q = q.reshape(batch, length, kv, groups, hd).transpose(0, 2, 3, 1, 4)  # [B, KV, G, T, hd]
+        outs = []
+        for i in range(blocks):
+            end = (i + 1) * size
+            q_i = q[:, :, :, i * size:end].reshape(batch, kv, groups * size, hd)
+            scores = jnp.einsum("bkqd,bksd->bkqs", q_i, k[:, :, :end], preferred_element_type=jnp.float32)
+            scores = softcap(scores.reshape(batch, kv, groups, size, end) * self.scale, cfg.attn_softcap)
+            scores = jnp.where(mask[:, None, None, i * size:end, :end], scores, _MASK_VALUE)
+            probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(batch, kv, groups * size, end)
+            outs.append(jnp.einsum("bkqs,bksd->bkqd", probs, v[:, :, :end]).reshape(batch, kv, groups, size, hd))
+        out = jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4)
+        return out.reshape(batch, length, cfg.num_heads, hd)
 
     def _scores(self, q, k, batch_dims: str) -> jax.Array:
         """Scaled, soft-capped float32 scores of queries ``[..., Q, hd]`` against keys ``[..., S, hd]``."""
