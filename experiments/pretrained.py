@@ -12,10 +12,12 @@ seen before fine-tuning, in any wording. The chat format itself is never seen ei
 
 Deterministic: the corpus, the model's initialisation and the data order are functions of the settings below, and
 the result is cached under a content hash of the corpus and the training config
-(``~/.cache/jaxalign/pretrained/<name>-<hash>/``, or ``$JAXALIGN_PRETRAINED_CACHE``). The name does not fix the
-weights: two builds of one name have differed (the 2026-12-03 and 2026-12-06 builds of
-``toy-tiny-d793015e2a85caf4``, docs/results.md "Nudging"). So every study records the SHA-256 of the start's weights
-it used (``weights_digest``) in its JSON and in its table's first line. A study asks for it with
+(``~/.cache/jaxalign/pretrained/<name>-<hash>/``, or ``$JAXALIGN_PRETRAINED_CACHE``). Rebuilt from scratch, the
+tiny start came out bit-identical (weights SHA-256 ``6688eb3016492a76``) from three versions of the code (the first,
+b411eb4; 95e688b of 2026-12-03; today's) on an AMD EPYC, and on 2026-12-06 in a session on an Intel Xeon. The name
+still does not fix the weights: the copy the studies of 2026-12-03 used gave other results (docs/results.md,
+"Nudging") and none of those rebuilds reproduces it. So every study records the SHA-256 of the start's weights it
+used (``weights_digest``) in its JSON and in its table's first line. A study asks for it with
 ``pretrained_start(shape)``: the first call trains (5-10 minutes at the tiny shape on 2 CPU cores), later calls
 return the folder. The folder is a Hugging Face export (``config.json``, safetensors, the toy tokenizer), given to a
 run as ``model.path``.
