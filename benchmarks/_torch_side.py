@@ -77,7 +77,9 @@ def timed(step, reps: int) -> list[float]:
     return times
 
 
-def sft_times(config: dict, examples: list[dict], length: int, reps: int) -> tuple[list[float], dict]:
+def sft_step(config: dict, examples: list[dict], length: int):
+    """The PyTorch SFT step on the chosen sequences, a function of no arguments (``benchmarks/step_profile.py``
+    profiles it too)."""
     model = make_model(config)
     optimizer = make_optimizer(model)
     ids, attention, completion = padded(examples, "chosen", length)
@@ -90,7 +92,11 @@ def sft_times(config: dict, examples: list[dict], length: int, reps: int) -> tup
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return timed(step, reps), {}
+    return step
+
+
+def sft_times(config: dict, examples: list[dict], length: int, reps: int) -> tuple[list[float], dict]:
+    return timed(sft_step(config, examples, length), reps), {}
 
 
 def sequence_logps(model, ids, attention, completion) -> torch.Tensor:

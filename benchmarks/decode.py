@@ -40,14 +40,12 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
-import gzip
 import json
 import os
 import platform
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -59,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from step_profile import xla_cpu_operations
 
 import jaxalign
 from jaxalign.models import LlamaConfig, bundled_smollm2, create_model, load_pretrained
@@ -216,19 +215,7 @@ def profile(model, tokens, mask, new: int) -> dict:
         return sample(decoder, t, prompt_mask=m, max_new_tokens=new + 1, layers="scanned").tokens
 
     jax.block_until_ready(run())  # compiled before the trace
-    with tempfile.TemporaryDirectory() as logdir:
-        jax.profiler.start_trace(logdir, create_perfetto_trace=True)
-        start = time.perf_counter()
-        jax.block_until_ready(run())
-        wall = time.perf_counter() - start
-        jax.profiler.stop_trace()
-        [trace] = Path(logdir).rglob("*.trace.json.gz")
-        events = json.loads(gzip.decompress(trace.read_bytes()))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    workers = {e["tid"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
-               and e["args"]["name"].startswith("tf_XLA")}
-    ops = [e for e in events if e.get("ph") == "X" and e.get("tid") in workers and e.get("dur")
-           and not e["name"].startswith(("ThunkExecutor", "end:", "Slinky"))]
+    wall, ops, workers = xla_cpu_operations(run)
     if not ops:
         raise SystemExit("--profile: the trace holds no XLA:CPU operations (section 4 is for the CPU)")
     per_kind, count = collections.Counter(), collections.Counter()

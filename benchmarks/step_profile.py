@@ -38,8 +38,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CATEGORIES = ("matmuls", "attention", "reductions", "data movement", "elementwise", "optimizer", "other")
 MOVEMENT = {"copy", "transpose", "bitcast", "reshape", "slice", "dynamic-slice", "dynamic-update-slice", "concatenate",
@@ -110,6 +108,28 @@ def categorize(ops: set[str], attention: bool) -> str:
     return "elementwise"
 
 
+def xla_cpu_operations(run) -> tuple[float, list[dict], set]:
+    """``(wall seconds, operations, worker thread ids)`` of one call of ``run`` (compiled beforehand) under
+    ``jax.profiler``: XLA:CPU's per-operation events (Perfetto ``X`` events on its ``tf_XLA`` worker threads,
+    without the executor's and profiler's own spans). Also used by ``benchmarks/decode.py --profile``."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as logdir:
+        jax.profiler.start_trace(logdir, create_perfetto_trace=True)
+        start = time.perf_counter()
+        jax.block_until_ready(run())
+        wall = time.perf_counter() - start
+        jax.profiler.stop_trace()
+        [trace] = Path(logdir).rglob("*.trace.json.gz")
+        events = json.loads(gzip.decompress(trace.read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    workers = {e["tid"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+               and e["args"]["name"].startswith("tf_XLA")}
+    ops = [e for e in events if e.get("ph") == "X" and e.get("tid") in workers and e.get("dur")
+           and not e["name"].startswith(SKIP_EVENTS)]
+    return wall, ops, workers
+
+
 def jax_profile(shape_name: str, reps: int, dense: bool = False) -> dict:
     """The jaxalign side; ``dense``: the self-attention as one dense product over every key (``causal_blocks``
     returning 1), the path before query blocks."""
@@ -122,6 +142,9 @@ def jax_profile(shape_name: str, reps: int, dense: bool = False) -> dict:
 
     if dense:
         llama.causal_blocks = lambda length, slots: 1
+    # compiled here, not read back from a persistent cache, whose executables' HLO text lacks the op_name metadata
+    # the categories read
+    jax.config.update("jax_enable_compilation_cache", False)
 
     shape = (cpu.SMOKE_SHAPES if shape_name == "tiny" else cpu.SHAPES)[shape_name]
     config, batch = cpu.shape_batch(shape, "sft")
@@ -132,21 +155,13 @@ def jax_profile(shape_name: str, reps: int, dense: bool = False) -> dict:
     for _ in range(2):
         state, _ = compiled(state, batch)
     jax.block_until_ready(state)
-    with tempfile.TemporaryDirectory() as logdir:
-        jax.profiler.start_trace(logdir, create_perfetto_trace=True)
-        start = time.perf_counter()
+    def run():
+        nonlocal state
         for _ in range(reps):
             state, _ = compiled(state, batch)
-        jax.block_until_ready(state)
-        wall = time.perf_counter() - start
-        jax.profiler.stop_trace()
-        [trace] = Path(logdir).rglob("*.trace.json.gz")
-        events = json.loads(gzip.decompress(trace.read_bytes()))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    workers = {e["tid"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
-               and e["args"]["name"].startswith("tf_XLA")}
-    ops = [e for e in events if e.get("ph") == "X" and e.get("tid") in workers and e.get("dur")
-           and not e["name"].startswith(SKIP_EVENTS)]
+        return state
+
+    wall, ops, workers = xla_cpu_operations(run)
     if not ops:
         raise SystemExit("step_profile: the trace holds no XLA:CPU operations (this script is for the CPU)")
     by_category, by_op, unknown = collections.Counter(), collections.Counter(), set()
@@ -200,23 +215,13 @@ def torch_category(name: str) -> str:
 def torch_profile(shape_name: str, reps: int) -> dict:
     import cpu
     import torch
-    from _torch_side import CLIP, make_model, make_optimizer, padded
+    from _torch_side import sft_step
 
     torch.set_num_threads(os.cpu_count() or 1)
     shape = (cpu.SMOKE_SHAPES if shape_name == "tiny" else cpu.SHAPES)[shape_name]
     examples = cpu.preference_examples(shape.examples, shape.length, shape.model["vocab_size"], seed=0)
     config = cpu.hf_config(shape.model)
-    model = make_model(config)
-    optimizer = make_optimizer(model)
-    ids, attention, completion = padded(examples, "chosen", shape.length)
-    labels = ids.masked_fill(completion == 0, -100)
-
-    def step():
-        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    step = sft_step(config, examples, shape.length)
 
     for _ in range(2):
         step()
@@ -266,6 +271,7 @@ def main() -> None:
     p.add_argument("--dense", action="store_true", help="also jaxalign with the self-attention as one dense product "
                    "(no causal query blocks), in its own process")
     args = p.parse_args()
+    sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]  # this checkout's jaxalign, not an installed one
     if args.side:
         if args.side == "torch":
             result = torch_profile(args.shape, args.reps)
