@@ -108,6 +108,13 @@ def categorize(ops: set[str], attention: bool) -> str:
     return "elementwise"
 
 
+def shape_of(name: str):
+    """A ``benchmarks/cpu.py`` shape by name (``tiny``: its smoke shape)."""
+    import cpu
+
+    return (cpu.SMOKE_SHAPES if name == "tiny" else cpu.SHAPES)[name]
+
+
 def xla_cpu_operations(run) -> tuple[float, list[dict], set]:
     """``(wall seconds, operations, worker thread ids)`` of one call of ``run`` (compiled beforehand) under
     ``jax.profiler``: XLA:CPU's per-operation events (Perfetto ``X`` events on its ``tf_XLA`` worker threads,
@@ -146,7 +153,7 @@ def jax_profile(shape_name: str, reps: int, dense: bool = False) -> dict:
     # the categories read
     jax.config.update("jax_enable_compilation_cache", False)
 
-    shape = (cpu.SMOKE_SHAPES if shape_name == "tiny" else cpu.SHAPES)[shape_name]
+    shape = shape_of(shape_name)
     config, batch = cpu.shape_batch(shape, "sft")
     step, state, _ = train_setup("sft", config, -1)
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
@@ -218,7 +225,7 @@ def torch_profile(shape_name: str, reps: int) -> dict:
     from _torch_side import sft_step
 
     torch.set_num_threads(os.cpu_count() or 1)
-    shape = (cpu.SMOKE_SHAPES if shape_name == "tiny" else cpu.SHAPES)[shape_name]
+    shape = shape_of(shape_name)
     examples = cpu.preference_examples(shape.examples, shape.length, shape.model["vocab_size"], seed=0)
     config = cpu.hf_config(shape.model)
     step = sft_step(config, examples, shape.length)
