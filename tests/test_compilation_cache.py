@@ -3,6 +3,7 @@ found by its digest, removed and compiled again, and the settings (off, a folder
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -130,13 +131,16 @@ def test_cli_train_reads_its_programs_back(tmp_path):
         command = [sys.executable, "-m", "jaxalign.cli", "train", "--config", "sft", *SMALL,
                    "--config.train.steps=6", "--config.eval.generate=0", f"--config.workdir={tmp_path / run}"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                              env=clean_env(JAXALIGN_COMPILATION_CACHE=str(cache),
-                                            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2"))
+                              env=clean_env(JAXALIGN_COMPILATION_CACHE=str(cache)))
         assert done.returncode == 0, done.stderr[-3000:]
         line = next(x for x in done.stdout.splitlines() if x.startswith("compile cache"))
         rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         outputs.append((line, [r["loss"] for r in rows if r["split"] == "train"]))
     (first, loss_a), (second, loss_b) = outputs
-    assert str(cache) in first and " 0 program(s) read back" in first and " 0 written" not in first, first
-    assert " 0 program(s) read back" not in second and second.endswith(" 0 written"), second
+    # clean_env caches every program however fast it compiles: a threshold above 0 made this depend on the machine's
+    # load (a program compiled in 0.19 s by the first run and in 0.21 s by the second was written only by the second)
+    counts = [re.search(r": (\d+) program\(s\) read back .*, (\d+) written$", x) for x in (first, second)]
+    assert str(cache) in first and all(counts), outputs
+    (read_a, written_a), (read_b, written_b) = [tuple(int(g) for g in m.groups()) for m in counts]
+    assert read_a == 0 and written_a >= 1 and read_b == written_a and written_b == 0, outputs
     assert loss_a == loss_b and len(loss_a) >= 2
