@@ -416,7 +416,7 @@ def test_moe_layer_memory_grows_linearly_in_tokens():
 def test_causal_blocks_only_for_long_self_attention():
     from jaxalign.models.llama import causal_blocks
 
-    assert [causal_blocks(t, t) for t in (64, 128, 255, 256, 320, 384, 452, 512, 4096)] == [1, 1, 1, 4, 5, 6, 4, 8, 8]
+    assert [causal_blocks(t, t) for t in (64, 128, 255, 256, 320, 384, 452, 512, 4096)] == [1, 1, 1, 4, 5, 6, 7, 8, 8]
     assert causal_blocks(256, 512) == 1  # a KV cache's slots: not self-attention over the row
 
 
@@ -426,7 +426,7 @@ def test_causal_blocked_attention_equals_the_dense_product(case, monkeypatch):
     real token and every parameter's gradient equal the dense product's (the path below 256 tokens)."""
     from jaxalign.models import llama
 
-    length = 320  # 5 blocks of 64
+    length = 290  # 4 blocks: 3 of 73 rows and one of 71
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                          num_kv_heads=2)
     if case == "gemma2":  # soft-capped scores and a sliding window on every other layer
@@ -439,7 +439,7 @@ def test_causal_blocked_attention_equals_the_dense_product(case, monkeypatch):
     segments = None
     if case == "packed":
         segments = np.zeros((3, length), np.int32)
-        for row, cuts in enumerate([(0, 70, 200, 320), (0, 130, 250), (37, 100, 320)]):
+        for row, cuts in enumerate([(0, 70, 200, 290), (0, 130, 250), (37, 100, 290)]):
             for segment, (start, end) in enumerate(itertools.pairwise(cuts), 1):
                 segments[row, start:end] = segment
         segments = jnp.asarray(segments)
@@ -459,6 +459,35 @@ def test_causal_blocked_attention_equals_the_dense_product(case, monkeypatch):
     assert abs(float(loss) - float(dense_loss)) <= 1e-5 * abs(float(dense_loss))
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(dense_grads), strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5 * float(jnp.abs(want).max()) + 1e-9)
+
+
+@pytest.mark.parametrize("cap", [0.0, 5.0])
+def test_causal_block_attention_backward_equals_the_derivative_of_the_softmax(cap):
+    """The hand-written backward of one query block against JAX's derivative of the same product (softmax of the
+    masked, scaled, soft-capped scores), at every query: also one that sees no key (uniform over the keys)."""
+    from jaxalign.models.llama import _MASK_VALUE, causal_block_attention, softcap
+
+    rng = np.random.RandomState(0)
+    batch, kv, groups, rows, keys, hd = 2, 2, 3, 5, 12, 8
+    q = jnp.asarray(rng.randn(batch, kv, groups, rows, hd), jnp.float32)
+    k, v = (jnp.asarray(rng.randn(batch, kv, keys, hd), jnp.float32) for _ in range(2))
+    mask = jnp.asarray(np.tril(np.ones((rows, keys), bool), keys - rows)[None] & (rng.rand(batch, 1, keys) > 0.2))
+    mask = mask.at[1, 2].set(False)  # this query sees no key
+    weights = jnp.asarray(rng.randn(batch, kv, groups, rows, hd), jnp.float32)
+
+    def reference(q, k, v):
+        scores = softcap(jnp.einsum("bkgqd,bksd->bkgqs", q, k) * 0.3, cap)
+        probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, _MASK_VALUE), axis=-1)
+        return jnp.einsum("bkgqs,bksd->bkgqd", probs, v)
+
+    def loss(fn):
+        return jax.value_and_grad(lambda *x: (fn(*x) * weights).sum(), argnums=(0, 1, 2))(q, k, v)
+
+    value, grads = loss(lambda q, k, v: causal_block_attention(q, k, v, mask, 0.3, cap))
+    want_value, want_grads = loss(reference)
+    assert abs(float(value) - float(want_value)) <= 1e-5 * abs(float(want_value))
+    for got, want in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5 * float(jnp.abs(want).max()))
 
 
 @pytest.mark.parametrize("side", ["right", "left"])

@@ -88,20 +88,84 @@ def keys_transposed(config: LlamaConfig) -> bool:
     return config.attention_impl not in ("dot_product", "cudnn")
 
 
-CAUSAL_BLOCK = 64  # query rows per block of the causal self-attention (``causal_blocks``)
+CAUSAL_MIN_LENGTH = 256  # shorter self-attention is one dense product (``causal_blocks``)
+CAUSAL_BLOCK = 64  # query rows per block of the causal self-attention, while at most ``CAUSAL_BLOCKS_MAX`` blocks
 CAUSAL_BLOCKS_MAX = 8
 
 
 def causal_blocks(length: int, slots: int) -> int:
-    """Query blocks of the dense (``"xla"``) self-attention over ``length`` tokens: 1 (one dense product) unless the
-    row holds at least 4 blocks of ``CAUSAL_BLOCK`` and splits evenly; then up to ``CAUSAL_BLOCKS_MAX``, each block
-    computing its scores against the keys up to its own end (the causal part) only."""
-    if slots != length or length < 4 * CAUSAL_BLOCK:
+    """Query blocks of the ``"xla"`` self-attention over ``length`` tokens: 1 (one dense product) below
+    ``CAUSAL_MIN_LENGTH`` tokens or against a KV cache's slots; otherwise ``length // CAUSAL_BLOCK`` blocks, at most
+    ``CAUSAL_BLOCKS_MAX``, of ``ceil(length / blocks)`` rows (the last one shorter), each computing its scores
+    against the keys up to its own end (the causal part) only. Smaller blocks compute fewer scores, but each block
+    adds slices of the keys and values and, in the backward, a sum of their gradients; on the CPU the train step
+    ran no faster with 8 blocks than with 4 at 256 tokens, nor with 7 than with 4 at 452 (docs/benchmarks.md)."""
+    if slots != length or length < CAUSAL_MIN_LENGTH:
         return 1
-    for blocks in range(min(CAUSAL_BLOCKS_MAX, length // CAUSAL_BLOCK), 1, -1):
-        if length % blocks == 0:
-            return blocks
-    return 1
+    return min(CAUSAL_BLOCKS_MAX, length // CAUSAL_BLOCK)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def causal_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
+                           cap: float) -> jax.Array:
+    """One query block of softmax attention, ``[B, KV, G, Q, hd]`` from queries ``q [B, KV, G, Q, hd]`` (the ``G``
+    query heads of each kv head), keys and values ``[B, KV, S, hd]`` and the boolean ``mask [B, Q, S]``; scores
+    ``softcap(q·k · scale, cap)`` in float32, hidden ones at ``_MASK_VALUE`` as in the dense path.
+
+    The backward is written by hand, as flash attention's: the forward keeps only the output and each row's
+    maximum and log-normaliser, and the backward computes the probabilities again from them, with
+    ``sum(dO · O)`` in place of the softmax's row sums over the keys: fewer passes over the ``[Q, S]`` scores and
+    no saved probabilities, for a second score product. On the CPU the SFT step at 4 layers x 256 tokens takes
+    0.95x the time it takes with XLA's derivative of the same blocks (docs/benchmarks.md)."""
+    return _block_forward(q, k, v, mask, scale, cap)[0]
+
+
+def _block_scores(q, k, mask, scale: float, cap: float):
+    """Masked float32 scores ``[B, KV, G, Q, S]`` and the soft-cap's ``tanh`` (None without one)."""
+    batch, kv, groups, rows, hd = q.shape
+    scores = jnp.einsum("bkqd,bksd->bkqs", q.reshape(batch, kv, groups * rows, hd), k,
+                        preferred_element_type=jnp.float32)
+    scores = scores.reshape(batch, kv, groups, rows, k.shape[2]) * scale
+    tanh = None
+    if cap:
+        tanh = jnp.tanh(scores / cap)
+        scores = cap * tanh
+    return jnp.where(mask[:, None, None], scores, _MASK_VALUE), tanh
+
+
+def _block_forward(q, k, v, mask, scale, cap):
+    batch, kv, groups, rows = q.shape[:4]
+    scores, _ = _block_scores(q, k, mask, scale, cap)
+    top = scores.max(axis=-1)
+    weights = jnp.exp(scores - top[..., None])
+    total = weights.sum(axis=-1)
+    out = jnp.einsum("bkqs,bksd->bkqd", weights.astype(q.dtype).reshape(batch, kv, groups * rows, -1), v,
+                     preferred_element_type=jnp.float32).reshape(q.shape)
+    out = (out / total[..., None]).astype(q.dtype)
+    # the maximum and log-normaliser kept apart: a row that sees no key (all scores _MASK_VALUE) then gets the
+    # probabilities 1/S again, where max + log(total) would round to _MASK_VALUE and give 1
+    return out, (q, k, v, mask, out, top, jnp.log(total))
+
+
+def _block_backward(scale, cap, residuals, d_out):
+    q, k, v, mask, out, top, log_total = residuals
+    batch, kv, groups, rows = q.shape[:4]
+    stacked = (batch, kv, groups * rows, -1)
+    scores, tanh = _block_scores(q, k, mask, scale, cap)
+    probs = jnp.exp((scores - top[..., None]) - log_total[..., None])
+    d_probs = jnp.einsum("bkqd,bksd->bkqs", d_out.reshape(stacked), v, preferred_element_type=jnp.float32)
+    delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(axis=-1)
+    d_scores = probs * (d_probs.reshape(probs.shape) - delta[..., None])
+    if cap:
+        d_scores = d_scores * (1.0 - tanh * tanh)
+    d_scores = (jnp.where(mask[:, None, None], d_scores, 0.0) * scale).astype(q.dtype).reshape(stacked)
+    d_q = jnp.einsum("bkqs,bksd->bkqd", d_scores, k).reshape(q.shape)
+    d_k = jnp.einsum("bkqs,bkqd->bksd", d_scores, q.reshape(stacked))
+    d_v = jnp.einsum("bkqs,bkqd->bksd", probs.astype(q.dtype).reshape(stacked), d_out.reshape(stacked))
+    return d_q, d_k, d_v, None
+
+
+causal_block_attention.defvjp(_block_forward, _block_backward)
 
 
 def _replace_at(items: tuple, index: int, item) -> tuple:
@@ -341,24 +405,21 @@ class Attention(nnx.Module):
         return out.reshape(batch, length, cfg.num_heads, cfg.head_dim)
 
     def _causal_blocked(self, q, k, v, mask, blocks: int) -> jax.Array:
-        """Self-attention (no cache) in ``blocks`` query blocks, block ``i`` against the keys of blocks ``0..i``
-        only: the causal mask hides the rest, so the scores above the diagonal blocks are never computed. Equal to
-        the dense path at every query that sees at least one key (a query that sees none, at a left padding
-        position, averages the values it is given, as the dense path does over all of them)."""
+        """Self-attention (no cache) in ``blocks`` query blocks (``causal_block_attention``), block ``i`` against
+        the keys up to its own end only: the causal mask hides the rest, so the scores above the diagonal blocks
+        are never computed. Equal to the dense path at every query that sees at least one key (a query that sees
+        none, at a left padding position, averages the values it is given, as the dense path does over all of
+        them)."""
         cfg = self.config
         batch, length = q.shape[:2]
         kv, groups, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-        size = length // blocks
+        size = -(-length // blocks)
         q = q.reshape(batch, length, kv, groups, hd).transpose(0, 2, 3, 1, 4)  # [B, KV, G, T, hd]
         outs = []
-        for i in range(blocks):
-            end = (i + 1) * size
-            q_i = q[:, :, :, i * size:end].reshape(batch, kv, groups * size, hd)
-            scores = jnp.einsum("bkqd,bksd->bkqs", q_i, k[:, :, :end], preferred_element_type=jnp.float32)
-            scores = softcap(scores.reshape(batch, kv, groups, size, end) * self.scale, cfg.attn_softcap)
-            scores = jnp.where(mask[:, None, None, i * size:end, :end], scores, _MASK_VALUE)
-            probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(batch, kv, groups * size, end)
-            outs.append(jnp.einsum("bkqs,bksd->bkqd", probs, v[:, :, :end]).reshape(batch, kv, groups, size, hd))
+        for start in range(0, length, size):
+            end = min(start + size, length)
+            outs.append(causal_block_attention(q[:, :, :, start:end], k[:, :, :end], v[:, :, :end],
+                                               mask[:, start:end, :end], self.scale, cfg.attn_softcap))
         out = jnp.concatenate(outs, axis=3).transpose(0, 3, 1, 2, 4)
         return out.reshape(batch, length, cfg.num_heads, hd)
 
