@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxalign.models import LlamaConfig
@@ -241,3 +243,28 @@ def _has_torch() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_attention_ab_times_the_three_attention_variants(tmp_path):
+    """The A/B of the causal blocks' backward: its restated XLA-derived block computes the same forward as the
+    model's block, and a tiny run (2 forced blocks) times all three variants and writes their ratios."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import attention_ab
+
+    from jaxalign.models.llama import causal_block_attention
+
+    rng = np.random.RandomState(0)
+    queries = jnp.asarray(rng.randn(2, 2, 2, 4, 8), jnp.float32)
+    keys, values = (jnp.asarray(rng.randn(2, 2, 6, 8), jnp.float32) for _ in range(2))
+    mask = jnp.asarray(np.tril(np.ones((4, 6), bool), 2)[None].repeat(2, 0))
+    np.testing.assert_allclose(attention_ab.xla_derivative_block(queries, keys, values, mask, 0.3, 0.0),
+                               causal_block_attention(queries, keys, values, mask, 0.3, 0.0), atol=1e-6)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "benchmarks/attention_ab.py", "--shape", "tiny", "--blocks", "2",
+                           "--rounds", "2", "--out", str(tmp_path / "ab.json")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "ab.json").read_text())
+    assert result["blocks"] == 2 and set(result["variants"]) == {"hand-written", "xla-derivative", "dense"}
+    assert all(len(v["seconds"]) == 2 and v["median_ms"] > 0 for v in result["variants"].values())
+    assert result["variants"]["xla-derivative"]["ratio_to_xla_derivative"] == [1.0, 1.0, 1.0]
