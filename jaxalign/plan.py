@@ -23,6 +23,7 @@ from jax.sharding import AbstractMesh
 
 from jaxalign.losses.logps import HEAD_BLOCK_ROWS
 from jaxalign.models import LlamaConfig, abstract_model, lora, param_shardings
+from jaxalign.models.llama import causal_blocks
 from jaxalign.objectives.common import resolve_chunk_size
 from jaxalign.parallel.mesh import mesh_sizes
 from jaxalign.sampling.generate import cache_bucket
@@ -43,6 +44,10 @@ LOGIT_COPIES = 6
 # their exp or gradient, the next tile's), plus a float32 gradient accumulator for the hidden states and the
 # kernel gradient's tiles.
 FUSED_TILE_COPIES = 3
+# Self-attention in causal query blocks (``models.llama.causal_blocks``, 256+ tokens) keeps no ``[T, S]`` arrays for
+# the backward (``causal_block_attention`` computes them again); about two f32 ``[rows, S]`` arrays of its largest
+# block are live at once (calibrated against XLA's buffer assignment at 256 and 512 tokens; tests/test_plan.py).
+BLOCK_COPIES = 2
 
 @dataclasses.dataclass
 class Plan:
@@ -108,9 +113,11 @@ def activation_bytes(model: LlamaConfig, rows: int, length: int, tensor: int, *,
     """Estimated activation memory of one forward (+ backward) pass on one device.
 
     Without remat every layer keeps its inputs, norms, q/k/v, attention output, the MLP's gate/up/product, and
-    (XLA attention) the f32 score and probability matrices; with remat each layer keeps only its input and one
-    layer's set is live during the backward pass. The head adds ``LOGIT_COPIES`` f32 logit-sized buffers, or with
-    the fused path (``chunk_size`` vocabulary columns per tile) ``FUSED_TILE_COPIES`` tiles and its accumulators.
+    (XLA attention as one dense product, below 256 tokens) the f32 score and probability matrices, or (in causal
+    query blocks) each row's max and log-normaliser, with one block's arrays live at a time; with remat each layer
+    keeps only its input and one layer's set is live during the backward pass. The head adds ``LOGIT_COPIES`` f32
+    logit-sized buffers, or with the fused path (``chunk_size`` vocabulary columns per tile) ``FUSED_TILE_COPIES``
+    tiles and its accumulators.
     """
     act = jnp.dtype(model.dtype).itemsize
     # the MLP's width per token: a mixture of experts runs num_experts_per_tok experts per token (dense layers of a
@@ -119,21 +126,26 @@ def activation_bytes(model: LlamaConfig, rows: int, length: int, tensor: int, *,
     h, inter = model.hidden_size, max(model.intermediate_size, routed) / tensor
     heads, kv = model.num_heads / tensor, model.num_kv_heads / tensor
     per_token = act * (4 * h + (2 * heads + 2 * kv) * model.head_dim + 4 * inter)
-    if model.attention_impl == "xla":
+    blocks = causal_blocks(length, length) if model.attention_impl == "xla" else 1
+    scores = model.attention_impl == "xla" and blocks == 1  # the dense product keeps its f32 scores and probabilities
+    if scores:
         per_token += 2 * 4 * heads * length
+    elif blocks > 1:  # query blocks keep each row's max and log-normaliser; one block's f32 [rows, S] arrays are live
+        per_token += 2 * 4 * heads
     tokens = rows * length
+    transient = BLOCK_COPIES * 4 * heads * rows * -(-length // blocks) * length if blocks > 1 else 0
     # kept per token per layer under each remat policy: the layer input, plus every matmul output ("dots": the
     # projections and, with XLA attention, the score matrix) or the projections only ("dots_no_batch")
     projections = act * (2 * h + (2 * heads + 2 * kv) * model.head_dim + 3 * inter)
     kept = {"nothing": act * h, "dots_no_batch": projections,
-            "dots": projections + (4 * heads * length if model.attention_impl == "xla" else 0)}
+            "dots": projections + (4 * heads * length if scores else 0)}
     if not grad:
         layers = per_token * tokens  # one layer live at a time
     elif model.remat:
         layers = kept[model.remat_policy] * tokens * model.num_layers + per_token * tokens
     else:
         layers = per_token * tokens * model.num_layers
-    return layers + head_bytes(tokens, model.vocab_size / tensor, h, chunk_size=chunk_size, grad=grad)
+    return layers + transient + head_bytes(tokens, model.vocab_size / tensor, h, chunk_size=chunk_size, grad=grad)
 
 
 def backend_of(hardware: str | None) -> str:
