@@ -461,6 +461,33 @@ def test_causal_blocked_attention_equals_the_dense_product(case, monkeypatch):
         np.testing.assert_allclose(got, want, atol=1e-5 * float(jnp.abs(want).max()) + 1e-9)
 
 
+def test_causal_blocks_on_a_mesh_equal_one_device(tiny_config, mesh8):
+    """The query blocks' hand-written backward under data, fsdp and tensor sharding (heads split over the tensor
+    axis): the loss and every gradient at 256 tokens equal one device's."""
+    rng = np.random.RandomState(3)
+    tokens = rng.randint(3, 128, (4, 256))
+    mask = np.ones((4, 256), np.int32)
+    mask[1, 200:] = 0
+
+    def loss_and_grads(model, tokens, mask):
+        graphdef, params = nnx.split(model)
+
+        def loss(params):
+            logits = nnx.merge(graphdef, params)(tokens, mask)
+            return (jax.nn.log_softmax(logits) * mask[..., None]).sum() / mask.sum()
+
+        return jax.value_and_grad(loss)(params)
+
+    want, want_grads = jax.jit(loss_and_grads)(create_model(tiny_config, seed=1), jnp.asarray(tokens),
+                                               jnp.asarray(mask))
+    with jax.set_mesh(mesh8):
+        sharded = create_model(tiny_config, seed=1, mesh=mesh8)
+        got, grads = jax.jit(loss_and_grads)(sharded, shard_batch(tokens, mesh8), shard_batch(mask, mesh8))
+    assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want))
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5 * float(jnp.abs(w).max()))
+
+
 @pytest.mark.parametrize("cap", [0.0, 5.0])
 def test_causal_block_attention_backward_equals_the_derivative_of_the_softmax(cap):
     """The hand-written backward of one query block against JAX's derivative of the same product (softmax of the
