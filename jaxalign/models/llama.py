@@ -121,22 +121,22 @@ def causal_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     return _block_forward(q, k, v, mask, scale, cap)[0]
 
 
-def _block_scores(q, k, mask, scale: float, cap: float):
-    """Masked float32 scores ``[B, KV, G, Q, S]`` and the soft-cap's ``tanh`` (None without one)."""
+def attention_scores(q, k, batch_dims: str, scale: float, cap: float) -> jax.Array:
+    """Scaled, soft-capped float32 scores of queries ``[..., Q, hd]`` against keys ``[..., S, hd]``."""
+    scores = jnp.einsum(f"{batch_dims}qd,{batch_dims}sd->{batch_dims}qs", q, k, preferred_element_type=jnp.float32)
+    return softcap(scores * scale, cap)
+
+
+def _block_scores(q, k, mask, scale: float, cap: float) -> jax.Array:
+    """Masked float32 scores ``[B, KV, G, Q, S]`` of a query block (``attention_scores`` per kv head)."""
     batch, kv, groups, rows, hd = q.shape
-    scores = jnp.einsum("bkqd,bksd->bkqs", q.reshape(batch, kv, groups * rows, hd), k,
-                        preferred_element_type=jnp.float32)
-    scores = scores.reshape(batch, kv, groups, rows, k.shape[2]) * scale
-    tanh = None
-    if cap:
-        tanh = jnp.tanh(scores / cap)
-        scores = cap * tanh
-    return jnp.where(mask[:, None, None], scores, _MASK_VALUE), tanh
+    scores = attention_scores(q.reshape(batch, kv, groups * rows, hd), k, "bk", scale, cap)
+    return jnp.where(mask[:, None, None], scores.reshape(batch, kv, groups, rows, k.shape[2]), _MASK_VALUE)
 
 
 def _block_forward(q, k, v, mask, scale, cap):
     batch, kv, groups, rows = q.shape[:4]
-    scores, _ = _block_scores(q, k, mask, scale, cap)
+    scores = _block_scores(q, k, mask, scale, cap)
     top = scores.max(axis=-1)
     weights = jnp.exp(scores - top[..., None])
     total = weights.sum(axis=-1)
@@ -152,13 +152,13 @@ def _block_backward(scale, cap, residuals, d_out):
     q, k, v, mask, out, top, log_total = residuals
     batch, kv, groups, rows = q.shape[:4]
     stacked = (batch, kv, groups * rows, -1)
-    scores, tanh = _block_scores(q, k, mask, scale, cap)
+    scores = _block_scores(q, k, mask, scale, cap)
     probs = jnp.exp((scores - top[..., None]) - log_total[..., None])
     d_probs = jnp.einsum("bkqd,bksd->bkqs", d_out.reshape(stacked), v, preferred_element_type=jnp.float32)
     delta = (d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(axis=-1)
     d_scores = probs * (d_probs.reshape(probs.shape) - delta[..., None])
-    if cap:
-        d_scores = d_scores * (1.0 - tanh * tanh)
+    if cap:  # through the cap: 1 - tanh², with tanh = capped score / cap (the hidden ones get no gradient below)
+        d_scores = d_scores * (1.0 - jnp.square(scores / cap))
     d_scores = (jnp.where(mask[:, None, None], d_scores, 0.0) * scale).astype(q.dtype).reshape(stacked)
     d_q = jnp.einsum("bkqs,bksd->bkqd", d_scores, k).reshape(q.shape)
     d_k = jnp.einsum("bkqs,bkqd->bksd", d_scores, q.reshape(stacked))
@@ -425,10 +425,7 @@ class Attention(nnx.Module):
         return out.reshape(batch, length, cfg.num_heads, hd)
 
     def _scores(self, q, k, batch_dims: str) -> jax.Array:
-        """Scaled, soft-capped float32 scores of queries ``[..., Q, hd]`` against keys ``[..., S, hd]``."""
-        scores = jnp.einsum(f"{batch_dims}qd,{batch_dims}sd->{batch_dims}qs", q, k,
-                            preferred_element_type=jnp.float32)
-        return softcap(scores * self.scale, self.config.attn_softcap)
+        return attention_scores(q, k, batch_dims, self.scale, self.config.attn_softcap)
 
     def _grouped(self, q, k, v, layout: GroupLayout) -> jax.Array:
         """Attention over group rows (``GroupLayout``) as the dense path computes it at every real token, block by
